@@ -1,0 +1,148 @@
+"""`dlm`: one command, plain subcommands. Each parses its flags and calls one Python function; no logic lives here."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+EPILOG = """examples:
+  dlm demo                                        train + evaluate a small model on tinymath (~10 min, 2 cores)
+  dlm data tinymath --out data/tinymath --level medium
+  dlm train recipes/tinymath/ar.yaml --set train.steps=200 --set out_dir=runs/ar
+  dlm train recipes/tinymath/ar.yaml --resume     continue exactly from the newest checkpoint
+  dlm generate runs/ar --prompt "Mia has 3 apples and buys 4 more. How many apples does she have?"
+  dlm eval runs/ar --task tinymath --n 200
+"""
+
+
+def _cmd_data(a):
+    from dlm.data.tinymath import LEVELS, write_tinymath
+
+    if a.level not in LEVELS:
+        sys.exit(f"dlm data: unknown level {a.level!r}; choose one of {', '.join(LEVELS)}")
+    paths = write_tinymath(a.out, n_train=a.n_train, n_val=a.n_validation, n_test=a.n_test, level=a.level, seed=a.seed)
+    for name, path in paths.items():
+        print(f"{name:>10}: {path}")
+    first = json.loads(open(paths["train"]).readline())
+    print(f"\nexample ({a.level}):\n  prompt:   {first['prompt']}\n  response: " + first["response"].replace("\n", "\n            ")
+          + f"\n  answer:   {first['answer']}")
+
+
+def _cmd_train(a):
+    from dlm.config import RecipeError, load_recipe
+    from dlm.training.loop import train
+
+    overrides = list(a.set or [])
+    if a.out_dir:
+        overrides.append(f"out_dir={a.out_dir}")
+    try:
+        recipe = load_recipe(a.recipe, overrides)
+    except RecipeError as err:
+        sys.exit(f"dlm train: {err}")
+    run_dir = train(recipe, resume=a.resume, progress=not a.no_progress)
+    print(f"run: {run_dir}  (model: {run_dir / 'model'}, metrics: {run_dir / 'metrics.jsonl'})")
+
+
+def _cmd_generate(a):
+    from dlm.sampling import generate_text
+
+    prompts = list(a.prompt or [])
+    if a.file:
+        with open(a.file) as f:
+            for line in f:
+                line = line.strip()
+                if line:
+                    prompts.append(json.loads(line)["prompt"] if line.startswith("{") else line)
+    if not prompts:
+        sys.exit("dlm generate: give at least one --prompt or a --file")
+    for r in generate_text(a.model, prompts, max_new_tokens=a.max_new_tokens, temperature=a.temperature, seed=a.seed):
+        print(f"user: {r['prompt']}\nassistant ({r['nfe']} NFE):\n{r['response']}\n")
+
+
+def _cmd_eval(a):
+    from dlm.evaluation.run import evaluate_model
+
+    r = evaluate_model(a.model, task=a.task, data=a.data, n=a.n, batch_size=a.batch_size, max_new_tokens=a.max_new_tokens,
+                       temperature=a.temperature, seed=a.seed, out=a.out)
+    print(f"{a.task}: accuracy {100 * r['accuracy']:.1f}% on {r['n']} problems (trivial baseline "
+          f"{100 * r['trivial_baseline']:.1f}%) | mean NFE {r['mean_nfe']:.1f} | {r['ms_per_problem']:.1f} ms/problem")
+    if a.out:
+        print(f"results: {a.out}")
+
+
+def _cmd_demo(a):
+    from dlm.demo import run_demo
+
+    run_demo(a.out, minutes=a.minutes)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dlm", description="dlm: train, sample and evaluate diffusion language models "
+                                "(masked / PUMBA, simplex / TESS 2) and their autoregressive baseline.",
+                                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    d = sub.add_parser("data", help="generate built-in datasets", description="Generate built-in datasets.")
+    dsub = d.add_subparsers(dest="dataset", required=True, metavar="DATASET")
+    t = dsub.add_parser("tinymath", help="arithmetic word problems answered by a Python function",
+                        description="Write tinymath train/validation/test jsonl ({prompt, response, answer}), a plain-text "
+                        "corpus view and meta.json. Deterministic by seed; splits share no question text.")
+    t.add_argument("--out", required=True, help="output directory")
+    t.add_argument("--level", default="medium", help="difficulty: easy | medium | hard (default: medium)")
+    t.add_argument("--n-train", type=int, default=20000)
+    t.add_argument("--n-validation", type=int, default=500)
+    t.add_argument("--n-test", type=int, default=500)
+    t.add_argument("--seed", type=int, default=0)
+    t.set_defaults(func=_cmd_data)
+
+    tr = sub.add_parser("train", help="train a model from a YAML recipe",
+                        description="Train from a recipe (see recipes/). Runs under `accelerate launch` unchanged for "
+                        "several processes/GPUs. Writes checkpoints, metrics.jsonl and the final model to out_dir.")
+    tr.add_argument("recipe", help="recipe YAML file")
+    tr.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a recipe field, e.g. train.steps=100 (repeatable)")
+    tr.add_argument("--out-dir", help="shorthand for --set out_dir=...")
+    tr.add_argument("--resume", action="store_true", help="continue exactly from the newest complete checkpoint in out_dir")
+    tr.add_argument("--no-progress", action="store_true", help="no progress bar")
+    tr.set_defaults(func=_cmd_train)
+
+    g = sub.add_parser("generate", help="generate responses from a trained model",
+                       description="Generate a response to each prompt with a trained model (run dir or model dir).")
+    g.add_argument("model", help="run directory or model directory")
+    g.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    g.add_argument("--file", help="prompts, one per line (plain text or jsonl with a 'prompt' field)")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--seed", type=int, default=0)
+    g.set_defaults(func=_cmd_generate)
+
+    e = sub.add_parser("eval", help="evaluate a model on a task",
+                       description="Generate programs for a task's problems, run them in the sandbox, report accuracy, "
+                       "mean NFE and time per problem.")
+    e.add_argument("model", help="run directory or model directory")
+    e.add_argument("--task", default="tinymath", help="task name (default: tinymath)")
+    e.add_argument("--data", help="jsonl with prompt/response/answer (default: the run's own test split)")
+    e.add_argument("--n", type=int, help="evaluate only the first N problems")
+    e.add_argument("--batch-size", type=int, default=50)
+    e.add_argument("--max-new-tokens", type=int, default=128)
+    e.add_argument("--temperature", type=float, default=0.0)
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--out", help="write the full results (with samples) to this JSON file")
+    e.set_defaults(func=_cmd_eval)
+
+    m = sub.add_parser("demo", help="generate tinymath, train, evaluate and show generations",
+                       description="The embedded default: generates tinymath, trains a small model on 2 CPU cores within "
+                       "the time budget, evaluates it on the test split and prints a few generations.")
+    m.add_argument("--out", default="runs/demo", help="run directory (default: runs/demo)")
+    m.add_argument("--minutes", type=float, default=8.0, help="training time budget (default: 8)")
+    m.set_defaults(func=_cmd_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()

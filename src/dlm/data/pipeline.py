@@ -1,0 +1,81 @@
+"""From a recipe's data section to tokenized examples and a resumable, rank-aware batch stream."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from dlm.config import DataConfig, ModelConfig
+from dlm.data.canvas import Example, make_example
+from dlm.data.sources import load_records
+from dlm.data.tokenizer import corpus_texts, encode_pair, load_tokenizer, train_bpe_tokenizer
+
+SPLITS = ("train", "validation", "test")
+
+
+def load_splits(cfg: DataConfig, default_dir: Path) -> dict[str, list[dict]]:
+    """Records of each available split; tinymath is generated (once, deterministically) into `cfg.dir`."""
+    if cfg.source == "tinymath":
+        from dlm.data.tinymath import write_tinymath
+
+        directory = Path(cfg.dir) if cfg.dir else default_dir
+        wanted = {"level": cfg.level, "seed": cfg.seed, "n_train": cfg.n_train, "n_val": cfg.n_validation, "n_test": cfg.n_test}
+        meta = directory / "request.json"
+        if not (meta.is_file() and json.loads(meta.read_text()) == wanted and (directory / "test.jsonl").is_file()):
+            write_tinymath(directory, n_train=cfg.n_train, n_val=cfg.n_validation, n_test=cfg.n_test, level=cfg.level, seed=cfg.seed)
+            meta.write_text(json.dumps(wanted))
+        paths = {s: str(directory / f"{s}.jsonl") for s in SPLITS}
+    else:
+        paths = {"train": cfg.train, "validation": cfg.validation, "test": cfg.test}
+    required = ("prompt", "response")
+    return {s: load_records(p, split=s, required=required) for s, p in paths.items() if p}
+
+
+def build_tokenizer(cfg: ModelConfig, train_records: Sequence[dict], cache_dir: Path):
+    if cfg.tokenizer == "builtin":
+        return train_bpe_tokenizer(corpus_texts(train_records), cfg.vocab_size, cache_dir=cache_dir)
+    return load_tokenizer(cfg.tokenizer)
+
+
+def encode_examples(tok, records: Sequence[dict], max_length: int) -> list[Example]:
+    return [make_example(*encode_pair(tok, r["prompt"], r["response"]), max_length) for r in records]
+
+
+class BatchStream:
+    """Shuffled epochs over a fixed example list. Each global batch holds `batch_size × world_size` examples and rank
+    r takes its slice, so 2 processes × b see exactly what 1 process × 2b sees. `state_dict` makes resume exact."""
+
+    def __init__(self, examples: Sequence, batch_size: int, collate_fn: Callable, seed: int = 0, rank: int = 0, world_size: int = 1):
+        global_batch = batch_size * world_size
+        if len(examples) < global_batch:
+            raise ValueError(f"{len(examples)} training examples is fewer than one global batch ({global_batch})")
+        self.examples, self.batch_size, self.collate_fn = examples, batch_size, collate_fn
+        self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.epoch, self.cursor = 0, 0
+        self._perm = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> torch.Tensor:
+        return torch.randperm(len(self.examples), generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch))
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        global_batch = self.batch_size * self.world_size
+        if self.cursor + global_batch > len(self.examples):
+            self.epoch, self.cursor = self.epoch + 1, 0
+            self._perm = self._permutation(self.epoch)
+        start = self.cursor + self.rank * self.batch_size
+        idx = self._perm[start : start + self.batch_size].tolist()
+        self.cursor += global_batch
+        return self.collate_fn([self.examples[i] for i in idx])
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "cursor": self.cursor}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.cursor = state["epoch"], state["cursor"]
+        self._perm = self._permutation(self.epoch)

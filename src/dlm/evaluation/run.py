@@ -1,0 +1,43 @@
+"""`dlm eval`: score a trained model on a task and write the results as JSON."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from dlm.data.sources import read_jsonl
+from dlm.evaluation.tasks import evaluate, trivial_baseline
+from dlm.sampling import load_for_inference
+
+TASKS = ("tinymath",)
+
+
+def default_task_file(model_path: str | Path, task: str) -> Path:
+    """The test split the model's run generated (run_dir/data/test.jsonl), if any."""
+    for base in (Path(model_path), Path(model_path).parent):
+        candidate = base / "data" / "test.jsonl"
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError(f"no --data given and no {task} test split found beside {model_path}; "
+                            f"pass --data PATH.jsonl (make one with `dlm data tinymath --out DIR`)")
+
+
+def evaluate_model(model_path: str | Path, task: str = "tinymath", data: str | Path | None = None, n: int | None = None,
+                   batch_size: int = 50, max_new_tokens: int = 128, temperature: float = 0.0, seed: int = 0,
+                   out: str | Path | None = None, progress: bool = True) -> dict:
+    """Accuracy, NFE and timing of a model on a program-answer task; optionally written to `out` (JSON)."""
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
+    path = Path(data) if data else default_task_file(model_path, task)
+    records = read_jsonl(path, required=("prompt", "response"))
+    if any("answer" not in r for r in records):
+        raise ValueError(f"{path}: every record needs an 'answer' field to be graded")
+    records = records[:n] if n else records
+    model, tok = load_for_inference(model_path)
+    result = evaluate(model, tok, records, batch_size=batch_size, max_new_tokens=max_new_tokens,
+                      temperature=temperature, seed=seed, progress=progress)
+    result.update({"model": str(model_path), "task": task, "data": str(path), "trivial_baseline": trivial_baseline(records)})
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(result, indent=2) + "\n")
+    return result

@@ -1,0 +1,137 @@
+"""Backbones: any Hugging Face causal LM, built from a size preset or loaded from a local checkpoint.
+
+dlm never subclasses the HF model. `DiffusionLM` holds the HF backbone and its `ModelSpec`; the attention mode is
+the HF config's `is_causal` flag (transformers >= 5 builds a bidirectional mask from it), so a saved model reloads
+in plain transformers with the same attention.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers.utils import logging as hf_logging
+
+from dlm.modeling.spec import Attention, ModelSpec
+
+hf_logging.disable_progress_bar()
+
+# Size presets (tied embeddings). Parameter counts exclude embeddings; measured tokens/s in docs/results.
+PRESETS: dict[str, dict[str, int]] = {
+    "nano": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64),
+    "tiny": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, intermediate_size=384),
+    "small": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8, intermediate_size=768),
+    "base": dict(hidden_size=256, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=8, intermediate_size=768),
+    "medium": dict(hidden_size=512, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=8, intermediate_size=1536),
+}
+ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+
+def build_backbone(
+    arch: str,
+    preset: str,
+    vocab_size: int,
+    max_positions: int = 512,
+    attention: Attention = "causal",
+    tie_embeddings: bool = True,
+    **overrides,
+) -> PreTrainedModel:
+    """A freshly initialised HF decoder of the given architecture and size preset."""
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unknown architecture {arch!r}; choose one of {', '.join(ARCHITECTURES)}")
+    if preset not in PRESETS:
+        raise ValueError(f"unknown size preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    sizes = {**PRESETS[preset], **overrides}
+    config = AutoConfig.for_model(
+        arch,
+        vocab_size=vocab_size,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=tie_embeddings,
+        is_causal=attention == "causal",
+        **sizes,
+    )
+    return AutoModelForCausalLM.from_config(config)
+
+
+def load_backbone(path: str | Path, attention: Attention | None = None, dtype: torch.dtype | None = None) -> PreTrainedModel:
+    """Any local HF causal-LM checkpoint; `attention` overrides the checkpoint's own mode."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path}: not a Hugging Face checkpoint (no config.json)")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32)
+    if attention is not None:
+        set_attention(model, attention)
+    return model
+
+
+def set_attention(model: PreTrainedModel, attention: Attention) -> None:
+    """Switch a backbone between causal and bidirectional attention (block-causal masks are passed per call)."""
+    model.config.is_causal = attention == "causal"
+
+
+def align_logits(logits: torch.Tensor, label_shift: bool) -> torch.Tensor:
+    """Logits whose index i predicts token i. With label shift (TESS 2 §3.2) that prediction sits at output i-1;
+    position 0 then has no prediction and gets the (unused) output of position 0."""
+    if not label_shift:
+        return logits
+    return torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
+
+
+def count_parameters(model: nn.Module, exclude_embeddings: bool = False) -> int:
+    seen, total = set(), 0
+    backbone = getattr(model, "backbone", model)
+    skip = {id(backbone.get_input_embeddings().weight)} if exclude_embeddings else set()
+    for p in model.parameters():
+        if id(p) in seen or id(p) in skip:
+            continue
+        seen.add(id(p))
+        total += p.numel()
+    return total
+
+
+class DiffusionLM(nn.Module):
+    """An HF backbone plus its ModelSpec. `forward` returns logits aligned so that index i predicts token i for the
+    diffusion families, and raw next-token logits for the autoregressive family."""
+
+    def __init__(self, backbone: PreTrainedModel, spec: ModelSpec):
+        super().__init__()
+        self.backbone = backbone
+        self.spec = spec
+        set_attention(backbone, "causal" if spec.attention == "causal" else "bidirectional")
+
+    @property
+    def config(self):
+        return self.backbone.config
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+        logits = self.backbone(input_ids=input_ids, attention_mask=attention_mask, **kwargs).logits
+        if self.spec.family == "autoregressive":
+            return logits
+        return align_logits(logits, self.spec.label_shift)
+
+    def save_pretrained(self, directory: str | Path, state_dict: dict | None = None) -> None:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        if state_dict is not None:
+            state_dict = {k.removeprefix("backbone."): v for k, v in state_dict.items()}
+        self.backbone.save_pretrained(directory, state_dict=state_dict)
+        self.spec.save(directory)
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, dtype: torch.dtype | None = None) -> "DiffusionLM":
+        """A dlm model directory (HF files + dlm.json), or a plain HF checkpoint loaded as an AR model."""
+        directory = Path(directory)
+        spec = ModelSpec.load(directory) if ModelSpec.exists(directory) else ModelSpec()
+        return cls(load_backbone(directory, dtype=dtype), spec)
+
+
+def resolve_model_dir(path: str | Path) -> Path:
+    """A model directory from a model dir, or a run dir (its `model/`), or a checkpoint dir (its `model/`)."""
+    path = Path(os.path.expanduser(str(path)))
+    for candidate in (path, path / "model"):
+        if (candidate / "config.json").is_file():
+            return candidate
+    raise FileNotFoundError(f"{path}: no model found (expected config.json here or in {path / 'model'})")

@@ -1,0 +1,50 @@
+"""ModelSpec: the few facts that turn an HF decoder into a dlm model, saved as `dlm.json` beside the HF files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+SPEC_FILE = "dlm.json"
+
+Family = Literal["autoregressive", "masked", "simplex"]
+Attention = Literal["causal", "bidirectional", "block_causal"]
+
+
+class ModelSpec(BaseModel):
+    """What dlm adds to a backbone: how it is trained and sampled, and which special tokens it uses."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    family: Family = "autoregressive"
+    attention: Attention = "causal"
+    # Output at position i predicts token i+1 (AR-style), as in TESS 2 §3.2; the diffusion losses then read
+    # the prediction for position i from output i-1 (see `align_logits`).
+    label_shift: bool = False
+    mask_token_id: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+    simplex_k: float | None = None
+    block_size: int | None = None
+
+    def save(self, directory: str | Path) -> Path:
+        path = Path(directory) / SPEC_FILE
+        path.write_text(json.dumps(self.model_dump(), indent=2) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, directory: str | Path) -> "ModelSpec":
+        path = Path(directory) / SPEC_FILE
+        try:
+            return cls.model_validate_json(path.read_text())
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{path}: no dlm.json here; is {directory} a dlm model directory?") from None
+        except ValueError as err:
+            raise ValueError(f"{path}: invalid model spec: {err}") from None
+
+    @classmethod
+    def exists(cls, directory: str | Path) -> bool:
+        return (Path(directory) / SPEC_FILE).is_file()

@@ -1,0 +1,40 @@
+"""Samplers. `generate` dispatches on the model family; every sampler returns tokens and per-sample NFEs."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, eos_id: int, pad_id: int,
+             temperature: float = 0.0, generator=None, **options):
+    family = model.spec.family
+    if family == "autoregressive":
+        from dlm.sampling.autoregressive import generate as ar_generate
+
+        return ar_generate(model, prompts, max_new_tokens, eos_id, pad_id, temperature, generator, **options)
+    raise NotImplementedError(f"no sampler for model family {family!r} yet")
+
+
+def load_for_inference(path, dtype=None):
+    """(model, tokenizer) from a dlm model dir, a run dir or a checkpoint dir."""
+    from dlm.data.tokenizer import load_tokenizer
+    from dlm.modeling.backbone import DiffusionLM, resolve_model_dir
+
+    model_dir = resolve_model_dir(path)
+    model = DiffusionLM.from_pretrained(model_dir, dtype=dtype).eval()
+    return model, load_tokenizer(model_dir)
+
+
+def generate_text(model_path, prompts: Sequence[str], *, max_new_tokens: int = 128, temperature: float = 0.0,
+                  seed: int = 0, **options) -> list[dict]:
+    """Generate a response for each prompt (rendered with the model's chat template); returns text and NFE."""
+    import torch
+
+    from dlm.data.tokenizer import encode_pair
+
+    model, tok = load_for_inference(model_path)
+    ids = [encode_pair(tok, p, "")[0] for p in prompts]
+    out = generate(model, ids, max_new_tokens=max_new_tokens, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
+                   temperature=temperature, generator=torch.Generator().manual_seed(seed), **options)
+    return [{"prompt": p, "response": tok.decode(t, skip_special_tokens=True), "nfe": n}
+            for p, t, n in zip(prompts, out.tokens, out.nfe)]

@@ -1,0 +1,348 @@
+"""The one training loop: accelerate, AdamW, warmup + cosine, clipping, accumulation, EMA, jsonl metrics, periodic
+evaluation, atomic checkpoints and exact resume. Objectives plug in through `loss(model, batch)`."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState
+from accelerate.utils import set_seed
+from tqdm.auto import tqdm
+
+from dlm.config import Recipe, dump_recipe
+from dlm.data.canvas import collate
+from dlm.data.pipeline import BatchStream, build_tokenizer, encode_examples, load_splits
+from dlm.data.tokenizer import ensure_special_tokens, load_tokenizer
+from dlm.modeling.backbone import DiffusionLM, build_backbone, count_parameters, load_backbone, resolve_model_dir
+from dlm.modeling.spec import ModelSpec
+from dlm.training import checkpoint as ckpt
+from dlm.training.ema import EMA
+from dlm.training.objectives import build_objective, model_family
+
+FAULT_ENV = "DLM_FAULT_AT_CHECKPOINT"  # test hook: die while writing the checkpoint of this step
+
+
+def lr_lambda(step: int, warmup: int, total: int, schedule: str, min_ratio: float) -> float:
+    """Linear warmup from 0, then cosine decay to `min_ratio` (or constant)."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    progress = min((step - warmup) / max(total - warmup, 1), 1.0)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_model(recipe: Recipe, tok) -> DiffusionLM:
+    """A fresh backbone from the preset, or `model.init_from` (any local HF checkpoint or dlm run)."""
+    cfg = recipe.model
+    family = model_family(recipe.train.objective)
+    attention = "causal" if family == "autoregressive" else cfg.attention
+    if cfg.init_from:
+        backbone = load_backbone(resolve_model_dir(cfg.init_from))
+        if len(tok) > backbone.get_input_embeddings().weight.shape[0]:
+            backbone.resize_token_embeddings(len(tok))
+    else:
+        backbone = build_backbone(cfg.arch, cfg.preset, len(tok), cfg.max_length, attention,
+                                  pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    spec = ModelSpec(family=family, attention=attention, label_shift=cfg.label_shift, mask_token_id=tok.mask_token_id,
+                     eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    return DiffusionLM(backbone, spec)
+
+
+def resolve_tokenizer(recipe: Recipe, train_records, run_dir: Path):
+    """The init checkpoint's tokenizer when it has one (a model must keep its vocabulary), else the recipe's."""
+    if recipe.model.init_from:
+        model_dir = resolve_model_dir(recipe.model.init_from)
+        if (model_dir / "tokenizer_config.json").is_file():
+            return load_tokenizer(model_dir)
+    return ensure_special_tokens(build_tokenizer(recipe.model, train_records, run_dir / "tokenizer-cache"))
+
+
+class Trainer:
+    def __init__(self, recipe: Recipe, resume: bool = False, progress: bool = True):
+        self.recipe, self.progress = recipe, progress
+        self.run_dir = Path(recipe.out_dir)
+        AcceleratorState._reset_state()  # precision is per run; the process group (PartialState) is kept
+        self.acc = Accelerator(cpu=not torch.cuda.is_available(),
+                               mixed_precision="bf16" if recipe.train.precision == "bf16" else "no")
+        tc = recipe.train
+        set_seed(tc.seed)
+        if self.acc.is_main_process:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "recipe.yaml").write_text(dump_recipe(recipe))
+        self.acc.wait_for_everyone()
+
+        with self.acc.main_process_first():  # rank 0 writes the data and the tokenizer cache, the others read them
+            self.splits = load_splits(recipe.data, self.run_dir / "data")
+            self.tok = resolve_tokenizer(recipe, self.splits["train"], self.run_dir)
+        examples = encode_examples(self.tok, self.splits["train"], recipe.model.max_length)
+        coll = partial(collate, eos_id=self.tok.eos_token_id, pad_id=self.tok.pad_token_id)
+        self.stream = BatchStream(examples, tc.batch_size, coll, seed=tc.seed,
+                                  rank=self.acc.process_index, world_size=self.acc.num_processes)
+
+        set_seed(tc.seed)
+        model = build_model(recipe, self.tok)
+        self.n_params = count_parameters(model)
+        oc = recipe.optim
+        decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+        no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+        optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": oc.weight_decay},
+                                       {"params": no_decay, "weight_decay": 0.0}], lr=oc.lr, betas=oc.betas, eps=oc.eps)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, partial(lr_lambda, warmup=oc.warmup_steps, total=tc.steps, schedule=oc.schedule, min_ratio=oc.min_lr_ratio))
+        self.model, self.optimizer = self.acc.prepare(model, optimizer)
+        self.scheduler = scheduler
+        self.objective = build_objective(tc.objective, recipe)
+        self.ema = EMA(self.unwrapped, tc.ema_decay) if tc.ema_decay else None
+        self.step, self.tokens_seen = 0, 0
+        if resume:
+            self.load_latest()
+
+    @property
+    def unwrapped(self) -> DiffusionLM:
+        return self.acc.unwrap_model(self.model)
+
+    # ---- one update -------------------------------------------------------------------------------------------
+    def train_step(self) -> dict:
+        self.model.train()
+        tc = self.recipe.train
+        loss_sum = torch.zeros((), device=self.acc.device)
+        count = torch.zeros((), device=self.acc.device)
+        metrics: dict[str, float] = {}
+        for micro in range(tc.grad_accum):
+            batch = {k: v.to(self.acc.device) for k, v in next(self.stream).items()}
+            self.tokens_seen += int(batch["attention_mask"].sum()) * self.acc.num_processes
+            sync = micro == tc.grad_accum - 1
+            ctx = self.acc.no_sync(self.model) if not sync else _nullcontext()
+            with ctx, self.acc.autocast():
+                l_sum, n, m = self.objective.loss(self.model, batch)
+                self.acc.backward(l_sum)
+            loss_sum += l_sum.detach().float()
+            count += n.float()
+            for k, v in m.items():
+                metrics[k] = metrics.get(k, 0.0) + v / tc.grad_accum
+        # Normalise by the positions in the loss over all micro-batches and ranks (DDP averages, hence × world).
+        total = self.acc.reduce(count.clone(), reduction="sum").clamp(min=1)
+        scale = self.acc.num_processes / total
+        for p in self.model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(scale.to(p.grad.dtype))
+        grad_norm = None
+        if self.recipe.optim.grad_clip:
+            grad_norm = float(self.acc.clip_grad_norm_(self.model.parameters(), self.recipe.optim.grad_clip))
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.ema is not None:
+            self.ema.update(self.unwrapped)
+        self.step += 1
+        loss = float(self.acc.reduce(loss_sum.clone(), reduction="sum") / total)
+        out = {"step": self.step, "loss": loss, "lr": self.scheduler.get_last_lr()[0], **metrics}
+        if grad_norm is not None:
+            out["grad_norm"] = grad_norm
+        return out
+
+    # ---- the run ----------------------------------------------------------------------------------------------
+    def fit(self) -> Path:
+        tc = self.recipe.train
+        main = self.acc.is_main_process
+        metrics_path = self.run_dir / "metrics.jsonl"
+        if main:
+            _truncate_metrics(metrics_path, self.step)
+        writer = _tensorboard(self.run_dir) if main else None
+        bar = tqdm(total=tc.steps, initial=self.step, desc=f"train {self.recipe.name}", unit="step",
+                   disable=not (main and self.progress), dynamic_ncols=True)
+        t_start, tokens_start = time.perf_counter(), self.tokens_seen
+        deadline = t_start + 60 * tc.max_minutes if tc.max_minutes else None
+        while self.step < tc.steps:
+            record = self.train_step()
+            elapsed = time.perf_counter() - t_start
+            record["tokens_per_s"] = (self.tokens_seen - tokens_start) / max(elapsed, 1e-9)
+            record["elapsed_s"] = elapsed
+            stop = deadline is not None and time.perf_counter() > deadline
+            if tc.eval_every and (self.step % tc.eval_every == 0):
+                record.update(self.evaluate("validation", self.recipe.eval.n))
+            if main and (self.step % tc.log_every == 0 or self.step == tc.steps or stop or "eval/accuracy" in record):
+                with metrics_path.open("a") as f:
+                    f.write(json.dumps(record) + "\n")
+                if writer:
+                    for k, v in record.items():
+                        if isinstance(v, (int, float)) and k != "step":
+                            writer.add_scalar(k, v, self.step)
+            bar.update(1)
+            bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+            if tc.checkpoint_every and self.step % tc.checkpoint_every == 0 and self.step < tc.steps and not stop:
+                self.save_checkpoint()
+            if stop:
+                break
+        bar.close()
+        self.save_checkpoint()
+        self.save_model(self.run_dir / "model")
+        return self.run_dir
+
+    @torch.no_grad()
+    def evaluate(self, split: str, n: int | None = None) -> dict:
+        """Task accuracy (with EMA weights when enabled) on the first `n` records of `split`; main process only."""
+        if split not in self.splits or "answer" not in self.splits[split][0]:
+            return {}
+        result = {}
+        if self.acc.is_main_process:
+            from dlm.evaluation.tasks import evaluate
+
+            records = self.splits[split][:n] if n else self.splits[split]
+            ec = self.recipe.eval
+            model = self.unwrapped
+            ctx = self.ema.applied(model) if self.ema else _nullcontext(model)
+            with ctx:
+                r = evaluate(model, self.tok, records, batch_size=ec.batch_size, max_new_tokens=ec.max_new_tokens,
+                             temperature=ec.temperature, seed=self.recipe.train.seed)
+            result = {"eval/accuracy": r["accuracy"], "eval/mean_nfe": r["mean_nfe"], "eval/split": split}
+        self.acc.wait_for_everyone()
+        return result
+
+    # ---- persistence ------------------------------------------------------------------------------------------
+    def save_model(self, directory: Path) -> None:
+        """The final model (EMA weights when enabled) in HF format with dlm.json and the tokenizer."""
+        self.acc.wait_for_everyone()
+        if self.acc.is_main_process:
+            model = self.unwrapped
+            state = self.ema.weights_for(model) if self.ema else None
+            tmp = directory.with_name(directory.name + ".tmp")
+            model.save_pretrained(tmp, state_dict=state)
+            self.tok.save_pretrained(tmp)
+            if directory.exists():
+                import shutil
+
+                shutil.rmtree(directory)
+            os.rename(tmp, directory)
+        self.acc.wait_for_everyone()
+
+    def save_checkpoint(self) -> Path:
+        root = self.run_dir / "checkpoints"
+        tmp = ckpt.begin(root, self.step) if self.acc.is_main_process else None
+        tmp = Path(_broadcast_str(self.acc, str(tmp) if tmp else ""))
+        torch.save(_rng_state(), tmp / f"rng_rank{self.acc.process_index}.pt")
+        torch.save(self.stream.state_dict() | {"objective": self.objective.state_dict()},
+                   tmp / f"data_rank{self.acc.process_index}.pt")
+        self.acc.wait_for_everyone()
+        final = None
+        if self.acc.is_main_process:
+            self.unwrapped.save_pretrained(tmp / "model")
+            self.tok.save_pretrained(tmp / "model")
+            if os.environ.get(FAULT_ENV) == str(self.step):
+                os._exit(17)  # simulated crash mid-write (tests)
+            torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                        "step": self.step, "tokens_seen": self.tokens_seen,
+                        "ema": self.ema.state_dict() if self.ema else None}, tmp / "trainer.pt")
+            final = ckpt.commit(root, tmp, self.step, self.recipe.train.keep_checkpoints)
+        self.acc.wait_for_everyone()
+        return final
+
+    def load_latest(self) -> bool:
+        found = ckpt.latest(self.run_dir / "checkpoints")
+        if found is None:
+            return False
+        from safetensors.torch import load_file
+
+        weights = {}
+        for f in sorted((found / "model").glob("*.safetensors")):
+            weights.update(load_file(f))
+        model = self.unwrapped
+        missing = model.backbone.load_state_dict(weights, strict=False)
+        if missing.unexpected_keys or [k for k in missing.missing_keys if "lm_head" not in k]:
+            raise RuntimeError(f"{found}: checkpoint does not match the model: {missing}")
+        if model.backbone.config.tie_word_embeddings:
+            model.backbone.tie_weights()
+        state = torch.load(found / "trainer.pt", weights_only=False)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step, self.tokens_seen = state["step"], state["tokens_seen"]
+        if self.ema is not None and state["ema"] is not None:
+            self.ema.load_state_dict(state["ema"])
+        rank = self.acc.process_index
+        data = torch.load(found / f"data_rank{rank}.pt", weights_only=False)
+        self.objective.load_state_dict(data.pop("objective"))
+        self.stream.load_state_dict(data)
+        _set_rng_state(torch.load(found / f"rng_rank{rank}.pt", weights_only=False))
+        if self.acc.is_main_process:
+            print(f"resumed from {found} (step {self.step})")
+        return True
+
+
+def train(recipe: Recipe, resume: bool = False, progress: bool = True) -> Path:
+    """Train `recipe`; with `resume`, continue exactly from the newest complete checkpoint. Returns the run dir."""
+    trainer = Trainer(recipe, resume=resume, progress=progress)
+    if trainer.acc.is_main_process:
+        print(f"model: {trainer.n_params / 1e6:.2f} M parameters | vocab {len(trainer.tok)} | "
+              f"{len(trainer.stream.examples)} training examples | run dir {trainer.run_dir}")
+    run_dir = trainer.fit()
+    if trainer.acc.is_main_process:
+        from dlm.evaluation.plots import plot_training_curve
+
+        plot_training_curve(run_dir)
+    if "test" in trainer.splits:
+        result = trainer.evaluate("test")
+        if trainer.acc.is_main_process and result:
+            (run_dir / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
+            print(f"test accuracy: {100 * result['eval/accuracy']:.1f}% (mean NFE {result['eval/mean_nfe']:.1f})")
+    return run_dir
+
+
+# ---- helpers --------------------------------------------------------------------------------------------------
+class _nullcontext:
+    def __init__(self, value=None):
+        self.value = value
+
+    def __enter__(self):
+        return self.value
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _broadcast_str(acc: Accelerator, value: str) -> str:
+    if acc.num_processes == 1:
+        return value
+    from accelerate.utils import broadcast_object_list
+
+    return broadcast_object_list([value])[0]
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """On resume, drop records past the checkpoint so the curve is the one the resumed run actually follows."""
+    if not path.is_file():
+        return
+    keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+    path.write_text("".join(line + "\n" for line in keep))
+
+
+def _tensorboard(run_dir: Path):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        return None
+    return SummaryWriter(str(run_dir / "tensorboard"))

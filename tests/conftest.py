@@ -1,0 +1,28 @@
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tmp_path_factory):
+    from dlm.data.tokenizer import train_bpe_tokenizer
+
+    texts = [f"user: Mia has {i} apples and {i + 3} pears.\nassistant: def solution():\n    apples = {i}\n    return apples"
+             for i in range(300)]
+    return train_bpe_tokenizer(texts, 300, cache_dir=tmp_path_factory.mktemp("tok"))
+
+
+def tiny_model(vocab: int, attention: str = "causal", family: str = "autoregressive", label_shift: bool = False, seed: int = 0,
+               arch: str = "llama"):
+    from dlm.modeling.backbone import DiffusionLM, build_backbone
+    from dlm.modeling.spec import ModelSpec
+
+    torch.manual_seed(seed)
+    backbone = build_backbone(arch, "nano", vocab, 128, attention)
+    return DiffusionLM(backbone, ModelSpec(family=family, attention=attention, label_shift=label_shift)).eval()

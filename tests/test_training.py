@@ -1,0 +1,132 @@
+"""The training loop: schedule, exact resume (including a crash while a checkpoint is being written), atomic
+checkpoints, EMA, and the AR objective's loss."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dlm.config import load_recipe
+from dlm.training import checkpoint as ckpt
+from dlm.training.loop import lr_lambda, train
+
+
+def small_recipe(out_dir, data_dir, *extra):
+    return load_recipe(None, [
+        f"out_dir={out_dir}", f"data.dir={data_dir}", "data.level=easy", "data.n_train=300", "data.n_validation=10",
+        "data.n_test=10", "model.preset=nano", "model.vocab_size=300", "model.max_length=128", "train.steps=12",
+        "train.batch_size=8", "train.log_every=1", "train.checkpoint_every=4", "optim.warmup_steps=3",
+        "eval.max_new_tokens=8", "eval.batch_size=10", *extra])
+
+
+def losses(run_dir):
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_lr_schedule():
+    f = lambda s: lr_lambda(s, warmup=10, total=110, schedule="cosine", min_ratio=0.1)  # noqa: E731
+    assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)
+    assert f(60) == pytest.approx(0.55) and f(110) == pytest.approx(0.1)
+    assert all(f(s) >= f(s + 1) for s in range(10, 110))
+    assert lr_lambda(50, 10, 110, "constant", 0.0) == 1.0
+
+
+def test_checkpoint_latest_skips_incomplete(tmp_path):
+    root = tmp_path / "ck"
+    tmp = ckpt.begin(root, 4)
+    (tmp / "x").write_text("a")
+    ckpt.commit(root, tmp, 4, keep=2)
+    half = ckpt.begin(root, 8)  # never committed: a crash mid-write
+    (half / "x").write_text("partial")
+    assert ckpt.latest(root) == root / "step_0000004"
+    (root / "step_0000012").mkdir()  # a folder without COMPLETE is never picked
+    assert ckpt.latest(root) == root / "step_0000004"
+
+
+def test_resume_after_crash_during_checkpoint_equals_uninterrupted(tmp_path):
+    data = tmp_path / "data"
+    full = train(small_recipe(tmp_path / "full", data), progress=False)
+    reference = losses(full)
+    assert len(reference) == 12
+
+    # Crash (os._exit) while writing the step-8 checkpoint, in a separate process.
+    code = (f"from tests.test_training import small_recipe; from dlm.training.loop import train; "
+            f"train(small_recipe({str(tmp_path / 'crash')!r}, {str(data)!r}), progress=False)")
+    env = {**os.environ, "DLM_FAULT_AT_CHECKPOINT": "8"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=os.path.dirname(os.path.dirname(__file__)),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 17, proc.stderr[-2000:]
+    crashed = tmp_path / "crash"
+    assert ckpt.latest(crashed / "checkpoints").name == "step_0000004"
+    assert not (crashed / "model").exists()
+
+    resumed = train(small_recipe(crashed, data), resume=True, progress=False)
+    got = losses(resumed)
+    assert len(got) == 12
+    assert got == pytest.approx(reference, abs=1e-6, rel=1e-6)
+    assert not list((crashed / "checkpoints").glob(".tmp-*"))  # the half-written folder was cleaned up
+
+
+def test_ema_and_final_model(tmp_path):
+    from dlm.modeling.backbone import DiffusionLM
+
+    run = train(small_recipe(tmp_path / "ema", tmp_path / "data", "train.ema_decay=0.5", "train.steps=4"), progress=False)
+    final = DiffusionLM.from_pretrained(run / "model")
+    trainer_state = torch.load(ckpt.latest(run / "checkpoints") / "trainer.pt", weights_only=False)
+    shadow = trainer_state["ema"]["shadow"]
+    w = final.backbone.state_dict()["model.layers.0.mlp.up_proj.weight"]
+    assert torch.equal(w, shadow["backbone.model.layers.0.mlp.up_proj.weight"])
+    raw = DiffusionLM.from_pretrained(ckpt.latest(run / "checkpoints") / "model")
+    assert not torch.equal(w, raw.backbone.state_dict()["model.layers.0.mlp.up_proj.weight"])
+    assert (run / "eval.json").is_file() and (run / "model" / "tokenizer.json").is_file()
+
+
+def test_ar_loss_covers_response_and_first_eos_only(tiny_tokenizer):
+    from tests.conftest import tiny_model
+    from dlm.data.canvas import Example, collate
+    from dlm.training.objectives.autoregressive import AutoregressiveObjective
+
+    m = tiny_model(len(tiny_tokenizer))
+    b = collate([Example([5, 6, 7], [8, 9]), Example([5], [8, 9, 10, 11])], eos_id=1, pad_id=0)
+    loss_sum, count, _ = AutoregressiveObjective().loss(m, b)
+    assert int(count) == (2 + 1) + (4 + 1)
+    with torch.no_grad():
+        logits = m(b["input_ids"])
+    ref, n = 0.0, 0
+    for i in range(2):
+        for pos in range(1, b["input_ids"].shape[1]):
+            if b["loss_mask"][i, pos]:
+                ref += torch.nn.functional.cross_entropy(logits[i, pos - 1], b["input_ids"][i, pos]).item()
+                n += 1
+    assert n == int(count) and loss_sum.item() == pytest.approx(ref, rel=1e-5)
+
+
+def test_bad_recipe_fails_before_work(tmp_path):
+    from dlm.cli import main
+
+    p = tmp_path / "r.yaml"
+    p.write_text("train:\n  steps: -1\n")
+    with pytest.raises(SystemExit, match="train.steps"):
+        main(["train", str(p), "--out-dir", str(tmp_path / "never")])
+    assert not (tmp_path / "never").exists()
+
+
+def test_gradient_accumulation_matches_full_batch(tmp_path):
+    """batch 8 × 1 micro-batch and batch 4 × 2 micro-batches take the same updates: the loss is normalised by the
+    positions in the loss over the whole update, not per micro-batch."""
+    common = ["train.steps=5", "train.checkpoint_every=100", "data.n_test=2"]
+    full = train(small_recipe(tmp_path / "full", tmp_path / "data", "train.batch_size=8", *common), progress=False)
+    accum = train(small_recipe(tmp_path / "acc", tmp_path / "data", "train.batch_size=4", "train.grad_accum=2", *common),
+                  progress=False)
+    assert losses(accum) == pytest.approx(losses(full), rel=1e-5, abs=1e-6)
+
+
+def test_bf16_trains(tmp_path):
+    run = train(small_recipe(tmp_path / "bf16", tmp_path / "data", "train.precision=bf16", "train.steps=8",
+                             "optim.lr=3e-3", "data.n_test=2"), progress=False)
+    got = losses(run)
+    assert all(math.isfinite(x) for x in got) and got[-1] < got[0]
