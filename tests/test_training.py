@@ -130,3 +130,44 @@ def test_bf16_trains(tmp_path):
                              "optim.lr=3e-3", "data.n_test=2"), progress=False)
     got = losses(run)
     assert all(math.isfinite(x) for x in got) and got[-1] < got[0]
+
+
+def test_train_from_local_hf_checkpoint_on_jsonl(tmp_path, tiny_tokenizer):
+    """The user path: any local HF causal LM + its tokenizer (here one without a mask token), trained on jsonl."""
+    from transformers import PreTrainedTokenizerFast
+
+    from dlm.modeling.backbone import DiffusionLM, build_backbone
+
+    bare = PreTrainedTokenizerFast(tokenizer_object=tiny_tokenizer.backend_tokenizer, eos_token="<|eos|>",
+                                   pad_token="<|pad|>")
+    hf = build_backbone("qwen2", "nano", len(bare) - 1, 128, "causal")  # one row short: resized on load
+    hf.save_pretrained(tmp_path / "hf")
+    bare.save_pretrained(tmp_path / "hf")
+    rows = [{"prompt": f"Ann has {i} cats. How many?", "response": f"def solution():\n    return {i}"} for i in range(40)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    recipe = load_recipe(None, [f"out_dir={tmp_path / 'run'}", "data.source=jsonl", f"data.train={tmp_path / 'train.jsonl'}",
+                                f"model.init_from={tmp_path / 'hf'}", "model.tokenizer=ignored-when-init-from-has-one",
+                                "train.steps=3", "train.batch_size=4", "train.log_every=1"])
+    run = train(recipe, progress=False)
+    model = DiffusionLM.from_pretrained(run / "model")
+    assert model.config.model_type == "qwen2"
+    assert model.backbone.get_input_embeddings().weight.shape[0] >= len(bare) + 1  # room for the added mask token
+    assert model.spec.mask_token_id is not None and len(losses(run)) == 3
+    assert not (run / "eval.json").exists()  # no answers in this data: nothing to grade
+
+
+def test_plain_text_corpus_is_packed_and_trained(tmp_path):
+    from dlm.data.tinymath import write_tinymath
+
+    paths = write_tinymath(tmp_path / "tm", n_train=200, n_val=5, n_test=5, level="easy", seed=1)
+    recipe = load_recipe(None, [f"out_dir={tmp_path / 'run'}", "data.source=text", f"data.train={paths['corpus']}",
+                                "model.preset=nano", "model.vocab_size=300", "model.max_length=64", "train.steps=6",
+                                "train.batch_size=4", "train.log_every=1", "optim.lr=3e-3", "optim.warmup_steps=1"])
+    from dlm.training.loop import Trainer
+
+    trainer = Trainer(recipe, progress=False)
+    batch = next(trainer.stream)
+    assert batch["input_ids"].shape == (4, 64) and batch["loss_mask"].all() and (batch["prompt_len"] == 0).all()
+    trainer.fit()
+    got = losses(tmp_path / "run")
+    assert len(got) == 6 and got[-1] < got[0]

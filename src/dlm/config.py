@@ -26,13 +26,13 @@ class ModelConfig(_Strict):
 
 
 class DataConfig(_Strict):
-    source: Literal["tinymath", "jsonl", "hf"] = "tinymath"
+    source: Literal["tinymath", "jsonl", "hf", "text"] = "tinymath"
     level: str = "medium"
     n_train: int = Field(20000, gt=0)
     n_validation: int = Field(500, gt=0)
     n_test: int = Field(500, gt=0)
     seed: int = 0
-    train: str | None = Field(None, description="jsonl path or HF dataset (source: jsonl|hf)")
+    train: str | None = Field(None, description="jsonl path, HF dataset, or plain-text file (source: jsonl|hf|text)")
     validation: str | None = None
     test: str | None = None
     dir: str | None = Field(None, description="where tinymath is written (default: <out_dir>/data)")

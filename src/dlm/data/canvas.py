@@ -73,6 +73,15 @@ def pack_documents(docs_ids: Sequence[Sequence[int]], seq_len: int, eos_id: int)
     return torch.tensor(stream[: n * seq_len], dtype=torch.long).view(n, seq_len)
 
 
+def collate_packed(rows: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A batch of packed plain-text rows: every position is maskable and in the loss, no prompt."""
+    input_ids = torch.stack(list(rows))
+    B, L = input_ids.shape
+    full = torch.ones(B, L, dtype=torch.bool)
+    return {"input_ids": input_ids, "attention_mask": torch.ones(B, L, dtype=torch.long), "maskable": full,
+            "loss_mask": full.clone(), "prompt_len": torch.zeros(B, dtype=torch.long)}
+
+
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Prompts left-padded to a common length, with their attention mask (for batched generation)."""
     L = max(len(p) for p in prompts)

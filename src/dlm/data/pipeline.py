@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import json
+from functools import partial
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 
 from dlm.config import DataConfig, ModelConfig
-from dlm.data.canvas import Example, make_example
-from dlm.data.sources import load_records
+from dlm.data.canvas import collate, collate_packed, make_example, pack_documents
+from dlm.data.sources import load_records, read_text
 from dlm.data.tokenizer import corpus_texts, encode_pair, load_tokenizer, train_bpe_tokenizer
 
 SPLITS = ("train", "validation", "test")
@@ -28,6 +29,9 @@ def load_splits(cfg: DataConfig, default_dir: Path) -> dict[str, list[dict]]:
             write_tinymath(directory, n_train=cfg.n_train, n_val=cfg.n_validation, n_test=cfg.n_test, level=cfg.level, seed=cfg.seed)
             meta.write_text(json.dumps(wanted))
         paths = {s: str(directory / f"{s}.jsonl") for s in SPLITS}
+    elif cfg.source == "text":
+        return {s: [{"text": d} for d in read_text(p)] for s, p in
+                {"train": cfg.train, "validation": cfg.validation}.items() if p}
     else:
         paths = {"train": cfg.train, "validation": cfg.validation, "test": cfg.test}
     required = ("prompt", "response")
@@ -36,12 +40,19 @@ def load_splits(cfg: DataConfig, default_dir: Path) -> dict[str, list[dict]]:
 
 def build_tokenizer(cfg: ModelConfig, train_records: Sequence[dict], cache_dir: Path):
     if cfg.tokenizer == "builtin":
-        return train_bpe_tokenizer(corpus_texts(train_records), cfg.vocab_size, cache_dir=cache_dir)
+        texts = [r["text"] for r in train_records] if "text" in train_records[0] else corpus_texts(train_records)
+        return train_bpe_tokenizer(texts, cfg.vocab_size, cache_dir=cache_dir)
     return load_tokenizer(cfg.tokenizer)
 
 
-def encode_examples(tok, records: Sequence[dict], max_length: int) -> list[Example]:
-    return [make_example(*encode_pair(tok, r["prompt"], r["response"]), max_length) for r in records]
+def encode_examples(tok, records: Sequence[dict], max_length: int) -> tuple[list, Callable]:
+    """Training examples and the collate function that batches them: prompt/response canvases, or packed rows of
+    `max_length` tokens for plain text (pretraining-style objectives)."""
+    if records and "text" in records[0]:
+        docs = [tok(r["text"], add_special_tokens=False)["input_ids"] for r in records]
+        return list(pack_documents(docs, max_length, tok.eos_token_id)), collate_packed
+    examples = [make_example(*encode_pair(tok, r["prompt"], r["response"]), max_length) for r in records]
+    return examples, partial(collate, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
 
 
 class BatchStream:

@@ -19,7 +19,6 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 from dlm.config import Recipe, dump_recipe
-from dlm.data.canvas import collate
 from dlm.data.pipeline import BatchStream, build_tokenizer, encode_examples, load_splits
 from dlm.data.tokenizer import ensure_special_tokens, load_tokenizer
 from dlm.modeling.backbone import DiffusionLM, build_backbone, count_parameters, load_backbone, resolve_model_dir
@@ -84,8 +83,7 @@ class Trainer:
         with self.acc.main_process_first():  # rank 0 writes the data and the tokenizer cache, the others read them
             self.splits = load_splits(recipe.data, self.run_dir / "data")
             self.tok = resolve_tokenizer(recipe, self.splits["train"], self.run_dir)
-        examples = encode_examples(self.tok, self.splits["train"], recipe.model.max_length)
-        coll = partial(collate, eos_id=self.tok.eos_token_id, pad_id=self.tok.pad_token_id)
+        examples, coll = encode_examples(self.tok, self.splits["train"], recipe.model.max_length)
         self.stream = BatchStream(examples, tc.batch_size, coll, seed=tc.seed,
                                   rank=self.acc.process_index, world_size=self.acc.num_processes)
 
