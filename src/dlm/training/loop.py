@@ -169,6 +169,7 @@ class Trainer:
             stop = deadline is not None and time.perf_counter() > deadline
             if tc.eval_every and (self.step % tc.eval_every == 0):
                 record.update(self.evaluate("validation", self.recipe.eval.n))
+                record.pop("samples", None)
             if main and (self.step % tc.log_every == 0 or self.step == tc.steps or stop or "eval/accuracy" in record):
                 with metrics_path.open("a") as f:
                     f.write(json.dumps(record) + "\n")
@@ -203,7 +204,8 @@ class Trainer:
             with ctx:
                 r = evaluate(model, self.tok, records, batch_size=ec.batch_size, max_new_tokens=ec.max_new_tokens,
                              temperature=ec.temperature, seed=self.recipe.train.seed)
-            result = {"eval/accuracy": r["accuracy"], "eval/mean_nfe": r["mean_nfe"], "eval/split": split}
+            result = {"eval/accuracy": r["accuracy"], "eval/mean_nfe": r["mean_nfe"], "eval/split": split,
+                      "eval/n": r["n"], "eval/ms_per_problem": r["ms_per_problem"], "samples": r["samples"]}
         self.acc.wait_for_everyone()
         return result
 
@@ -290,7 +292,9 @@ def train(recipe: Recipe, resume: bool = False, progress: bool = True) -> Path:
     if "test" in trainer.splits:
         result = trainer.evaluate("test")
         if trainer.acc.is_main_process and result:
+            samples = result.pop("samples")
             (run_dir / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
+            (run_dir / "test_samples.jsonl").write_text("".join(json.dumps(x) + "\n" for x in samples))
             print(f"test accuracy: {100 * result['eval/accuracy']:.1f}% (mean NFE {result['eval/mean_nfe']:.1f})")
     return run_dir
 
