@@ -47,15 +47,17 @@ def test_checkpoint_latest_skips_incomplete(tmp_path):
     assert ckpt.latest(root) == root / "step_0000004"
 
 
-def test_resume_after_crash_during_checkpoint_equals_uninterrupted(tmp_path):
+@pytest.mark.parametrize("objective", ["autoregressive", "mdm"])
+def test_resume_after_crash_during_checkpoint_equals_uninterrupted(tmp_path, objective):
     data = tmp_path / "data"
-    full = train(small_recipe(tmp_path / "full", data), progress=False)
+    extra = ("train.objective=mdm", "model.attention=bidirectional") if objective == "mdm" else ()
+    full = train(small_recipe(tmp_path / "full", data, *extra), progress=False)
     reference = losses(full)
     assert len(reference) == 12
 
     # Crash (os._exit) while writing the step-8 checkpoint, in a separate process.
     code = (f"from tests.test_training import small_recipe; from dlm.training.loop import train; "
-            f"train(small_recipe({str(tmp_path / 'crash')!r}, {str(data)!r}), progress=False)")
+            f"train(small_recipe({str(tmp_path / 'crash')!r}, {str(data)!r}, *{extra!r}), progress=False)")
     env = {**os.environ, "DLM_FAULT_AT_CHECKPOINT": "8"}
     proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=os.path.dirname(os.path.dirname(__file__)),
                           capture_output=True, text=True, timeout=300)
@@ -64,7 +66,7 @@ def test_resume_after_crash_during_checkpoint_equals_uninterrupted(tmp_path):
     assert ckpt.latest(crashed / "checkpoints").name == "step_0000004"
     assert not (crashed / "model").exists()
 
-    resumed = train(small_recipe(crashed, data), resume=True, progress=False)
+    resumed = train(small_recipe(crashed, data, *extra), resume=True, progress=False)
     got = losses(resumed)
     assert len(got) == 12
     assert got == pytest.approx(reference, abs=1e-6, rel=1e-6)

@@ -56,7 +56,7 @@ class OptimConfig(_Strict):
 
 
 class TrainConfig(_Strict):
-    objective: Literal["autoregressive"] = "autoregressive"
+    objective: Literal["autoregressive", "mdm"] = "autoregressive"
     steps: int = Field(1000, gt=0)
     batch_size: int = Field(32, gt=0, description="sequences per process per micro-batch")
     grad_accum: int = Field(1, gt=0)
@@ -70,11 +70,28 @@ class TrainConfig(_Strict):
     max_minutes: float | None = Field(None, gt=0, description="stop (and save) after this wall time")
 
 
+class MaskedConfig(_Strict):
+    """Masked-diffusion loss settings (PUMBA Eq. 2.1, App. B.4)."""
+
+    weight_cap: float = Field(5.0, gt=0, description="the 1/t loss weight is capped at this value (min-SNR)")
+    z_loss: float = Field(1e-5, ge=0)
+
+
 class EvalConfig(_Strict):
-    n: int = Field(200, gt=0, description="problems evaluated during training and at the end")
+    n: int = Field(200, gt=0, description="validation problems evaluated during training")
     batch_size: int = Field(50, gt=0)
-    max_new_tokens: int = Field(128, gt=0)
+    max_new_tokens: int = Field(128, gt=0, description="AR: token limit; masked: length of the generation canvas")
     temperature: float = Field(0.0, ge=0)
+    policy: Literal["top_u", "threshold", "top_u_or_threshold"] = "top_u"
+    reveal_count: int = Field(2, gt=0, description="u: positions revealed per step (masked sampler)")
+    confidence_threshold: float = Field(0.9, gt=0, le=1, description="tau (masked sampler)")
+    block_size: int | None = Field(None, gt=0, description="block decoding (masked sampler); null = full canvas")
+
+    def sampler_options(self, family: str) -> dict:
+        if family != "masked":
+            return {}
+        return {"policy": self.policy, "reveal_count": self.reveal_count,
+                "confidence_threshold": self.confidence_threshold, "block_size": self.block_size}
 
 
 class Recipe(_Strict):
@@ -84,6 +101,7 @@ class Recipe(_Strict):
     data: DataConfig = DataConfig()
     train: TrainConfig = TrainConfig()
     optim: OptimConfig = OptimConfig()
+    masked: MaskedConfig = MaskedConfig()
     eval: EvalConfig = EvalConfig()
 
 

@@ -12,6 +12,11 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, eo
         from dlm.sampling.autoregressive import generate as ar_generate
 
         return ar_generate(model, prompts, max_new_tokens, eos_id, pad_id, temperature, generator, **options)
+    if family == "masked":
+        from dlm.sampling.masked import generate as masked_generate
+
+        return masked_generate(model, prompts, max_new_tokens, eos_id, pad_id, model.spec.mask_token_id,
+                               temperature=temperature, generator=generator, **options)
     raise NotImplementedError(f"no sampler for model family {family!r} yet")
 
 

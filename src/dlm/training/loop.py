@@ -99,7 +99,7 @@ class Trainer:
             optimizer, partial(lr_lambda, warmup=oc.warmup_steps, total=tc.steps, schedule=oc.schedule, min_ratio=oc.min_lr_ratio))
         self.model, self.optimizer = self.acc.prepare(model, optimizer)
         self.scheduler = scheduler
-        self.objective = build_objective(tc.objective, recipe)
+        self.objective = build_objective(tc.objective, recipe, self.tok.mask_token_id, self.acc.process_index)
         self.ema = EMA(self.unwrapped, tc.ema_decay) if tc.ema_decay else None
         self.step, self.tokens_seen = 0, 0
         if resume:
@@ -203,7 +203,8 @@ class Trainer:
             ctx = self.ema.applied(model) if self.ema else _nullcontext(model)
             with ctx:
                 r = evaluate(model, self.tok, records, batch_size=ec.batch_size, max_new_tokens=ec.max_new_tokens,
-                             temperature=ec.temperature, seed=self.recipe.train.seed)
+                             temperature=ec.temperature, seed=self.recipe.train.seed,
+                             **ec.sampler_options(model.spec.family))
             result = {"eval/accuracy": r["accuracy"], "eval/mean_nfe": r["mean_nfe"], "eval/split": split,
                       "eval/n": r["n"], "eval/ms_per_problem": r["ms_per_problem"], "samples": r["samples"]}
         self.acc.wait_for_everyone()

@@ -16,13 +16,23 @@ class Objective(Protocol):
     def load_state_dict(self, state: dict) -> None: ...
 
 
-def build_objective(name: str, recipe) -> Objective:
+def build_objective(name: str, recipe, mask_token_id: int | None = None, rank: int = 0) -> Objective:
     if name == "autoregressive":
         from dlm.training.objectives.autoregressive import AutoregressiveObjective
 
         return AutoregressiveObjective()
+    if name == "mdm":
+        from dlm.training.objectives.mdm import MDMObjective
+
+        if mask_token_id is None:
+            raise ValueError("the mdm objective needs a tokenizer with a mask token")
+        m = recipe.masked
+        return MDMObjective(mask_token_id, recipe.train.seed, rank, m.weight_cap, m.z_loss)
     raise ValueError(f"unknown objective {name!r}")
 
 
+FAMILIES = {"autoregressive": "autoregressive", "mdm": "masked"}
+
+
 def model_family(objective: str) -> str:
-    return {"autoregressive": "autoregressive"}[objective]
+    return FAMILIES[objective]

@@ -1,0 +1,214 @@
+import math
+
+import pytest
+import torch
+
+from tests.conftest import tiny_model
+from dlm.sampling.masked import generate
+
+PAD, EOS, MASK, VOCAB = 0, 1, 2, 40
+NEVER = 99  # an EOS id outside the vocabulary: never produced
+POLICIES = (("top_u", dict(reveal_count=2)), ("threshold", dict(confidence_threshold=0.6)),
+            ("top_u_or_threshold", dict(reveal_count=2, confidence_threshold=0.7)))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models run much faster on one thread when the machine is busy."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _model(label_shift=False, seed=1):
+    """A tiny bidirectional model with large random weights: varied tokens and confidences spread over (0.2, 0.9)."""
+    m = tiny_model(VOCAB, attention="bidirectional", family="masked", label_shift=label_shift, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return m
+
+
+def _prompts(lengths=(3, 7, 5)):
+    g = torch.Generator().manual_seed(4)
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def reference(model, prompt, gen_length, eos_id, policy, reveal_count=2, confidence_threshold=0.9, block_size=None):
+    """One prompt, no padding, Python loops over positions; the rule applied literally on (-confidence, position)."""
+    P, seq, nfe = len(prompt), list(prompt) + [MASK] * gen_length, 0
+
+    def finished():
+        for x in seq[P:]:
+            if x == MASK:
+                return False
+            if x == eos_id:
+                return True
+        return True
+
+    while not finished():
+        with torch.no_grad():
+            logits = model(torch.tensor([seq]))[0].float()
+        nfe += 1
+        masked = [i for i in range(P, P + gen_length) if seq[i] == MASK]
+        if block_size is not None:
+            block = (masked[0] - P) // block_size
+            masked = [i for i in masked if (i - P) // block_size == block]
+        conf, tok = {}, {}
+        for i in masked:
+            row = logits[i].clone()
+            row[MASK] = float("-inf")
+            probs = torch.softmax(row, dim=-1)
+            conf[i], tok[i] = float(probs.max()), int(probs.argmax())
+        order = sorted(masked, key=lambda i: (-conf[i], i))
+        if policy == "top_u":
+            chosen = order[:reveal_count]
+        elif policy == "threshold":
+            chosen = [i for i in order if conf[i] >= confidence_threshold] or order[:1]
+        else:
+            chosen = order[:reveal_count] + [i for i in order[reveal_count:] if conf[i] >= confidence_threshold]
+        for i in chosen:
+            seq[i] = tok[i]
+    region = seq[P:]
+    return region[: region.index(eos_id)] if eos_id in region else region, nfe
+
+
+def _no_mask(out):
+    assert all(MASK not in row for row in out.tokens)
+
+
+def test_matches_reference_for_each_policy_full_and_block():
+    """With an EOS that never appears, then with one the sampler produces mid-way (so rows stop early)."""
+    m = _model()
+    for block_size in (None, 4):
+        for policy, options in POLICIES:
+            free = generate(m, _prompts(), 12, NEVER, PAD, MASK, policy=policy, block_size=block_size, **options)
+            eos = free.tokens[1][4]
+            out = generate(m, _prompts(), 12, eos, PAD, MASK, policy=policy, block_size=block_size, **options)
+            assert len(out.tokens[1]) <= 4
+            for run, eos_id in ((free, NEVER), (out, eos)):
+                _no_mask(run)
+                for p, toks, nfe in zip(_prompts(), run.tokens, run.nfe):
+                    ref = reference(m, p, 12, eos_id, policy, block_size=block_size, **options)
+                    assert (toks, nfe) == ref, (eos_id, block_size, policy)
+
+
+def test_reference_cases_exercise_the_threshold():
+    """The threshold policy reveals several positions in some steps and falls back to one in others."""
+    out = generate(_model(), _prompts(), 12, NEVER, PAD, MASK, policy="threshold", confidence_threshold=0.6, return_trace=True)
+    per_step = [int(step["revealed"].sum(-1).max()) for step in out.trace]
+    assert max(per_step) > 1 and min(per_step) == 1
+
+
+def test_batched_equals_one_by_one():
+    m = _model(seed=2)
+    prompts = _prompts((3, 7, 5, 1))
+    for block_size in (None, 4):
+        for policy, options in POLICIES:
+            batched = generate(m, prompts, 10, EOS, PAD, MASK, policy=policy, block_size=block_size, **options)
+            for p, toks, nfe in zip(prompts, batched.tokens, batched.nfe):
+                alone = generate(m, [p], 10, EOS, PAD, MASK, policy=policy, block_size=block_size, **options)
+                assert (alone.tokens[0], alone.nfe[0]) == (toks, nfe)
+
+
+def test_label_shift_model_matches_reference():
+    m = _model(label_shift=True)
+    for block_size in (None, 4):
+        out = generate(m, _prompts(), 12, NEVER, PAD, MASK, policy="top_u", reveal_count=2, block_size=block_size)
+        for p, toks, nfe in zip(_prompts(), out.tokens, out.nfe):
+            assert (toks, nfe) == reference(m, p, 12, NEVER, "top_u", 2, block_size=block_size)
+
+
+def test_stops_at_eos_with_nfe_savings():
+    """Pick as EOS a token revealed early: each row stops once its first EOS and everything before it are revealed;
+    the trajectory up to then is the one without an EOS, so the output is its prefix."""
+    m, G = _model(), 12
+    free = generate(m, _prompts(), G, NEVER, PAD, MASK, reveal_count=2, block_size=4, return_trace=True)
+    eos = free.tokens[0][1]
+    out = generate(m, _prompts(), G, eos, PAD, MASK, reveal_count=2, block_size=4)
+    P = free.trace[0]["canvas"].shape[1] - G
+    for b, (full, toks, nfe) in enumerate(zip(free.tokens, out.tokens, out.nfe)):
+        cut = full.index(eos) if eos in full else G
+        assert toks == full[:cut]
+        # the first step after which positions 0..cut (the EOS included) are all revealed
+        expected = next(s + 1 for s, step in enumerate(free.trace) if (step["canvas"][b, P : P + cut + 1] != MASK).all())
+        assert nfe == (expected if eos in full else free.nfe[b])
+    assert out.nfe[0] <= 2 < free.nfe[0] == math.ceil(G / 2)
+
+
+def test_eos_as_the_first_token_gives_an_empty_output():
+    m = _model()
+    free = generate(m, _prompts(), 8, NEVER, PAD, MASK, reveal_count=1, block_size=1)  # strictly left to right
+    out = generate(m, _prompts(), 8, free.tokens[1][0], PAD, MASK, reveal_count=1, block_size=1)
+    assert out.tokens[1] == [] and out.nfe[1] == 1
+
+
+def test_nfe_counts():
+    m, G = tiny_model(VOCAB, attention="bidirectional", family="masked"), 11  # untrained: confidences ~ 1/VOCAB
+    prompts = _prompts()
+    assert generate(m, prompts, G, NEVER, PAD, MASK, policy="top_u", reveal_count=1).nfe == [G] * 3
+    assert generate(m, prompts, G, NEVER, PAD, MASK, policy="top_u", reveal_count=2).nfe == [math.ceil(G / 2)] * 3
+    assert generate(m, prompts, G, NEVER, PAD, MASK, reveal_count=3, block_size=4).nfe == [2 + 2 + 1] * 3
+    one = generate(m, prompts, G, NEVER, PAD, MASK, policy="top_u", reveal_count=1)
+    tau1 = generate(m, prompts, G, NEVER, PAD, MASK, policy="threshold", confidence_threshold=1.0)
+    assert tau1.nfe == [G] * 3 and tau1.tokens == one.tokens
+    assert generate(m, prompts, 0, NEVER, PAD, MASK).tokens == [[], [], []]
+
+
+def test_trace_records_each_step():
+    m, G = _model(), 12
+    out = generate(m, _prompts(), G, NEVER, PAD, MASK, reveal_count=3, return_trace=True)
+    assert len(out.trace) == 4
+    revealed = torch.stack([s["revealed"] for s in out.trace]).sum(0)
+    assert (revealed[:, -G:] == 1).all() and (revealed[:, :-G] == 0).all()  # each generated position revealed once
+    conf = torch.stack([s["confidence"] for s in out.trace])
+    assert ((conf > 0) == torch.stack([s["revealed"] for s in out.trace])).all()
+    assert out.trace[-1]["canvas"][:, -G:].tolist() == out.tokens
+
+
+def test_temperature_sampling_is_reproducible_and_never_emits_the_mask():
+    m = _model()
+    for policy, options in POLICIES:
+        runs = [generate(m, _prompts(), 12, NEVER, PAD, MASK, policy=policy, temperature=1.0, block_size=4,
+                         generator=torch.Generator().manual_seed(s), **options) for s in (3, 3, 4)]
+        assert runs[0] == runs[1]
+        assert runs[0].tokens != runs[2].tokens
+        for r in runs:
+            _no_mask(r)
+            assert all(len(t) == 12 for t in r.tokens)
+    greedy = generate(m, _prompts(), 12, NEVER, PAD, MASK)
+    hot = generate(m, _prompts(), 12, NEVER, PAD, MASK, temperature=1.0, generator=torch.Generator().manual_seed(3))
+    assert hot.tokens != greedy.tokens
+
+
+def test_mask_token_is_never_output_even_when_favoured():
+    m = _model()
+    bias = torch.zeros(VOCAB)
+    bias[MASK] = 1e4
+    for temperature in (0.0, 1.0):
+        out = generate(_BiasedModel(m, bias), _prompts(), 8, NEVER, PAD, MASK, temperature=temperature,
+                       generator=torch.Generator().manual_seed(0))
+        _no_mask(out)
+        assert all(len(t) == 8 for t in out.tokens)
+
+
+class _BiasedModel(torch.nn.Module):
+    """Adds a fixed bias to the logits (to make the mask token the most likely prediction)."""
+
+    def __init__(self, model, bias):
+        super().__init__()
+        self.model, self.bias = model, bias
+
+    def forward(self, input_ids, **kwargs):
+        return self.model(input_ids, **kwargs) + self.bias
+
+
+def test_rejects_bad_options():
+    m = _model()
+    with pytest.raises(ValueError):
+        generate(m, _prompts(), 4, NEVER, PAD, MASK, policy="nope")
+    with pytest.raises(ValueError):
+        generate(m, _prompts(), 4, MASK, PAD, MASK)
