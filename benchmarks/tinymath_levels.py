@@ -39,6 +39,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", type=Path)
     p.add_argument("--out", type=Path, default=Path("docs/results/tinymath-levels.md"))
+    p.add_argument("--notes", type=Path, help="a markdown file appended to the report (the reading of the numbers)")
     a = p.parse_args()
     runs = [load_run(r) for r in a.runs]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
@@ -46,12 +47,11 @@ def main() -> None:
         steps = [m["step"] for m in r["metrics"]]
         ax1.plot(steps, [m["loss"] for m in r["metrics"]], label=r["level"])
         ev = [m for m in r["metrics"] if "eval/accuracy" in m]
-        final_step = r["metrics"][-1]["step"]
-        ax2.plot([m["step"] for m in ev] + [final_step], [100 * m["eval/accuracy"] for m in ev] + [100 * r["test"]["eval/accuracy"]],
-                 "o-", label=r["level"])
+        line, = ax2.plot([m["step"] for m in ev], [100 * m["eval/accuracy"] for m in ev], "o-", label=f"{r['level']} (validation)")
+        ax2.plot([r["metrics"][-1]["step"]], [100 * r["test"]["eval/accuracy"]], "*", ms=12, color=line.get_color())
     ax1.set(xlabel="update", ylabel="training loss (per response token)", yscale="log", title="AR baseline: loss")
     ax2.set(xlabel="update", ylabel="accuracy (%)", ylim=(0, 100),
-            title="accuracy (validation at 500/1000, test at the end)")
+            title="accuracy (validation 200 problems; ★ test, 500)")
     for ax in (ax1, ax2):
         ax.legend()
         ax.grid(alpha=0.3)
@@ -68,8 +68,8 @@ def main() -> None:
         f"{r0['data']['n_train']} training problems per level",
         "- greedy decoding with a KV cache; a problem counts as solved when the generated `solution()` returns the answer "
         "in the sandbox", "- commands: see the docstring of `benchmarks/tinymath_levels.py`", "",
-        "| level | test accuracy | trivial baseline | validation acc. @500 | @1000 | final loss | train time | mean NFE | ms / problem |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| level | test accuracy | trivial baseline | validation acc. @500 | @1000 | final loss | wall time* | mean NFE |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
         ev = {m["step"]: m["eval/accuracy"] for m in r["metrics"] if "eval/accuracy" in m}
@@ -77,8 +77,12 @@ def main() -> None:
         lines.append(f"| {r['level']} | **{100 * t['eval/accuracy']:.1f} %** (n={r['n_test']}) | {100 * r['trivial']:.1f} % | "
                      f"{100 * ev.get(500, float('nan')):.0f} % | {100 * ev.get(1000, float('nan')):.0f} % | "
                      f"{r['metrics'][-1]['loss']:.3f} | {r['metrics'][-1]['elapsed_s'] / 60:.1f} min | "
-                     f"{t.get('eval/mean_nfe', float('nan')):.1f} | {t.get('eval/ms_per_problem', float('nan')):.0f} |")
-    lines += ["", f"![loss and accuracy per level]({png.name})", ""]
+                     f"{t.get('eval/mean_nfe', float('nan')):.1f} |")
+    lines += ["", "\\* wall time of the training run on a shared 2-core machine (other jobs ran beside some of these runs): "
+              "not a speed measurement — see `training-throughput.md` for that.",
+              "", f"![loss and accuracy per level]({png.name})", ""]
+    if a.notes:
+        lines += [a.notes.read_text()]
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text("\n".join(lines) + "\n")
     print(f"wrote {a.out} and {png}")

@@ -71,6 +71,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--out", type=Path, default=Path("docs/results/training-throughput.md"))
+    p.add_argument("--notes", type=Path, help="a markdown file appended to the report (the reading of the numbers)")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     peak = gemm_flops()
@@ -78,7 +79,8 @@ def main() -> None:
     for r in rows:
         r["fraction_of_gemm"] = r["model_flops_per_s"] / peak
         print(json.dumps(r))
-    cmd = f"python benchmarks/training_throughput.py --batch {a.batch} --seq {a.seq} --vocab {a.vocab} --threads {a.threads}"
+    cmd = (f"python benchmarks/training_throughput.py --batch {a.batch} --seq {a.seq} --vocab {a.vocab} --threads {a.threads}"
+           + (f" --notes {a.notes}" if a.notes else ""))
     lines = [
         "# Training throughput of the size presets", "",
         f"- command: `{cmd}`",
@@ -94,6 +96,8 @@ def main() -> None:
     for r in rows:
         lines.append(f"| {r['preset']} | {r['params_M']:.2f} | {r['non_embedding_params_M']:.2f} | {r['s_per_update']:.3f} | "
                      f"{r['tokens_per_s']:.0f} | {r['model_flops_per_s'] / 1e9:.1f} | {100 * r['fraction_of_gemm']:.0f} % |")
+    if a.notes:
+        lines += ["", a.notes.read_text()]
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text("\n".join(lines) + "\n")
     a.out.with_suffix(".json").write_text(json.dumps({"gemm_flops": peak, "rows": rows}, indent=2) + "\n")

@@ -10,13 +10,13 @@ from dlm.config import load_recipe
 # The demo's recipe: the AR baseline on tinymath (the masked-diffusion issue turns this into the masked demo).
 DEMO_OVERRIDES = [
     "name=demo-ar",
-    "data.level=medium",
+    "data.level=easy",
     "data.n_train=20000",
     "model.preset=small",
     "model.vocab_size=1024",
     "model.max_length=224",
     "train.objective=autoregressive",
-    "train.steps=1200",
+    "train.steps=900",
     "train.batch_size=32",
     "train.log_every=20",
     "train.checkpoint_every=200",
@@ -42,5 +42,7 @@ def run_demo(out: str | Path = "runs/demo", minutes: float = 8.0) -> dict:
     print("\nsample generations:")
     for r, g in zip(test[:3], generate_text(run_dir / "model", [r["prompt"] for r in test[:3]])):
         print(f"\nuser: {r['prompt']}\nassistant ({g['nfe']} NFE):\n{g['response']}\n(expected answer: {r['answer']})")
-    print(f"\ncheckpoint: {run_dir / 'model'}\nmetrics:    {run_dir / 'metrics.jsonl'}\nresults:    {run_dir / 'eval.json'}")
+    print(f"\nmodel:      {run_dir / 'model'}\nmetrics:    {run_dir / 'metrics.jsonl'}\n"
+          f"plot:       {run_dir / 'training_curve.png'}\nresults:    {run_dir / 'eval.json'} "
+          f"(every test problem: {run_dir / 'test_samples.jsonl'})")
     return result
