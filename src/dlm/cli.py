@@ -56,19 +56,27 @@ def _cmd_generate(a):
                     prompts.append(json.loads(line)["prompt"] if line.startswith("{") else line)
     if not prompts:
         sys.exit("dlm generate: give at least one --prompt or a --file")
-    for r in generate_text(a.model, prompts, max_new_tokens=a.max_new_tokens, temperature=a.temperature, seed=a.seed):
+    sampler = {"policy": a.sampler, "reveal_count": a.u, "confidence_threshold": a.tau, "block_size": a.block_size}
+    for r in generate_text(a.model, prompts, max_new_tokens=a.max_new_tokens, temperature=a.temperature, seed=a.seed,
+                           show_steps=a.show_steps, **sampler):
         print(f"user: {r['prompt']}\nassistant ({r['nfe']} NFE):\n{r['response']}\n")
 
 
 def _cmd_eval(a):
-    from dlm.evaluation.run import evaluate_model
+    from dlm.evaluation.run import default_task_file
+    from dlm.evaluation.sweeps import run_sweep, write_sweep
 
-    r = evaluate_model(a.model, task=a.task, data=a.data, n=a.n, batch_size=a.batch_size, max_new_tokens=a.max_new_tokens,
-                       temperature=a.temperature, seed=a.seed, out=a.out)
-    print(f"{a.task}: accuracy {100 * r['accuracy']:.1f}% on {r['n']} problems (trivial baseline "
-          f"{100 * r['trivial_baseline']:.1f}%) | mean NFE {r['mean_nfe']:.1f} | {r['ms_per_problem']:.1f} ms/problem")
+    data = a.data or default_task_file(a.model[0], a.task)
+    sampler = {"policy": a.sampler, "reveal_count": a.u, "confidence_threshold": a.tau, "block_size": a.block_size}
+    try:
+        result = run_sweep(a.model, data, sampler=sampler, sweep=a.sweep, n=a.n, batch_size=a.batch_size,
+                           max_new_tokens=a.max_new_tokens, seed=a.seed)
+    except ValueError as err:
+        sys.exit(f"dlm eval: {err}")
+    print(f"trivial baseline (most common answer): {100 * result['trivial_baseline']:.1f}% on {result['n']} problems")
     if a.out:
-        print(f"results: {a.out}")
+        table, png = write_sweep(result, a.out)
+        print(f"results: {table}\nplot:    {png}")
 
 
 def _cmd_demo(a):
@@ -111,23 +119,39 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("model", help="run directory or model directory")
     g.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     g.add_argument("--file", help="prompts, one per line (plain text or jsonl with a 'prompt' field)")
-    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--max-new-tokens", type=int, default=128, help="AR: token limit; masked: generation canvas length")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--sampler", default="top_u", choices=["top_u", "threshold", "top_u_or_threshold"],
+                   help="masked models: unmasking policy (default: top_u)")
+    g.add_argument("--u", type=int, default=2, help="masked: positions revealed per step (default: 2)")
+    g.add_argument("--tau", type=float, default=0.9, help="masked: confidence threshold (default: 0.9)")
+    g.add_argument("--block-size", type=int, help="masked: block decoding with blocks of this size")
+    g.add_argument("--show-steps", action="store_true",
+                   help="masked: render the denoising step by step, tokens coloured by confidence")
     g.set_defaults(func=_cmd_generate)
 
-    e = sub.add_parser("eval", help="evaluate a model on a task",
+    e = sub.add_parser("eval", help="evaluate models on a task (accuracy, NFE, time; sweeps)",
                        description="Generate programs for a task's problems, run them in the sandbox, report accuracy, "
-                       "mean NFE and time per problem.")
-    e.add_argument("model", help="run directory or model directory")
+                       "mean NFE (forward passes per problem), tokens per NFE and time per problem. Masked models use "
+                       "the chosen unmasking policy; --sweep runs a grid and, with --out, writes a JSON table and a PNG of "
+                       "accuracy vs NFE with one curve per model.",
+                       epilog="example: dlm eval runs/mdm runs/ar --sampler threshold --sweep tau=0.7,0.8,0.9,1.0 --out sweep.json",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    e.add_argument("model", nargs="+", help="run or model directories (several are compared in one table/plot)")
     e.add_argument("--task", default="tinymath", help="task name (default: tinymath)")
-    e.add_argument("--data", help="jsonl with prompt/response/answer (default: the run's own test split)")
+    e.add_argument("--data", help="jsonl with prompt/response/answer (default: the first model's own test split)")
     e.add_argument("--n", type=int, help="evaluate only the first N problems")
+    e.add_argument("--sampler", default="top_u", choices=["top_u", "threshold", "top_u_or_threshold"],
+                   help="masked models: unmasking policy (default: top_u)")
+    e.add_argument("--u", type=int, default=2, help="masked: positions revealed per step for top_u (default: 2)")
+    e.add_argument("--tau", type=float, default=0.9, help="masked: confidence threshold (Fast-dLLM) (default: 0.9)")
+    e.add_argument("--block-size", type=int, help="masked: block decoding with blocks of this size (default: full canvas)")
+    e.add_argument("--sweep", help="grid over one setting: tau=0.7,0.8,0.9,1.0 or u=1,2,4,8")
     e.add_argument("--batch-size", type=int, default=50)
-    e.add_argument("--max-new-tokens", type=int, default=128)
-    e.add_argument("--temperature", type=float, default=0.0)
+    e.add_argument("--max-new-tokens", type=int, default=128, help="AR: token limit; masked: generation canvas length")
     e.add_argument("--seed", type=int, default=0)
-    e.add_argument("--out", help="write the full results (with samples) to this JSON file")
+    e.add_argument("--out", help="write the table (JSON) here and the plot beside it (.png)")
     e.set_defaults(func=_cmd_eval)
 
     m = sub.add_parser("demo", help="generate tinymath, train, evaluate and show generations",

@@ -31,15 +31,27 @@ def load_for_inference(path, dtype=None):
 
 
 def generate_text(model_path, prompts: Sequence[str], *, max_new_tokens: int = 128, temperature: float = 0.0,
-                  seed: int = 0, **options) -> list[dict]:
-    """Generate a response for each prompt (rendered with the model's chat template); returns text and NFE."""
+                  seed: int = 0, show_steps: bool = False, console=None, **options) -> list[dict]:
+    """Generate a response for each prompt (rendered with the model's chat template); returns text and NFE. With
+    `show_steps` a masked model's denoising is rendered step by step in the terminal (TESS 2 Fig. 4 style)."""
     import torch
 
     from dlm.data.tokenizer import encode_pair
 
     model, tok = load_for_inference(model_path)
+    masked = model.spec.family == "masked"
+    if not masked:
+        options = {}
     ids = [encode_pair(tok, p, "")[0] for p in prompts]
     out = generate(model, ids, max_new_tokens=max_new_tokens, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
-                   temperature=temperature, generator=torch.Generator().manual_seed(seed), **options)
-    return [{"prompt": p, "response": tok.decode(t, skip_special_tokens=True), "nfe": n}
-            for p, t, n in zip(prompts, out.tokens, out.nfe)]
+                   temperature=temperature, generator=torch.Generator().manual_seed(seed),
+                   **({"return_trace": True} if show_steps and masked else {}), **options)
+    results = [{"prompt": p, "response": tok.decode(t, skip_special_tokens=True), "nfe": n}
+               for p, t, n in zip(prompts, out.tokens, out.nfe)]
+    if show_steps and masked:
+        from dlm.sampling.trace import show_steps as render
+
+        for row, r in enumerate(results):
+            print(f"user: {r['prompt']}")
+            render(out.trace, tok, row, None, max_new_tokens, model.spec.mask_token_id, console=console)
+    return results

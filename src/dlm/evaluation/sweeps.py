@@ -1,0 +1,91 @@
+"""Score-vs-NFE sweeps: run a sampler over a grid (τ, u) for one or several models; write a JSON table and a PNG of
+accuracy against mean NFE with one curve per model (PUMBA Figs. 1, 7)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from dlm.data.sources import read_jsonl
+from dlm.evaluation.tasks import evaluate, trivial_baseline
+from dlm.sampling import load_for_inference
+
+SWEEP_KEYS = {"tau": "confidence_threshold", "u": "reveal_count"}
+
+
+def parse_sweep(spec: str | None) -> tuple[str | None, list]:
+    """'tau=0.7,0.8' → ('confidence_threshold', [0.7, 0.8]); 'u=1,2' → ('reveal_count', [1, 2])."""
+    if not spec:
+        return None, [None]
+    key, sep, values = spec.partition("=")
+    if not sep or key not in SWEEP_KEYS or not values:
+        raise ValueError(f"--sweep {spec!r}: expected tau=V1,V2,... or u=V1,V2,...")
+    cast = float if key == "tau" else int
+    try:
+        return SWEEP_KEYS[key], [cast(v) for v in values.split(",")]
+    except ValueError:
+        raise ValueError(f"--sweep {spec!r}: values must be {'numbers' if cast is float else 'integers'}") from None
+
+
+def run_sweep(models: Sequence[str | Path], data: str | Path, *, sampler: dict, sweep: str | None = None,
+              n: int | None = None, batch_size: int = 50, max_new_tokens: int = 128, seed: int = 0,
+              progress: bool = True) -> dict:
+    """One row per (model, grid value). AR models ignore the masked sampler's settings and give a single row."""
+    key, values = parse_sweep(sweep)
+    records = read_jsonl(data, required=("prompt", "response"))
+    if any("answer" not in r for r in records):
+        raise ValueError(f"{data}: every record needs an 'answer' field to be graded")
+    records = records[:n] if n else records
+    rows = []
+    for path in models:
+        model, tok = load_for_inference(path)
+        family = model.spec.family
+        for value in values if family == "masked" else [None]:
+            options = dict(sampler) if family == "masked" else {}
+            if key and value is not None:
+                options[key] = value
+            r = evaluate(model, tok, records, batch_size=batch_size, max_new_tokens=max_new_tokens, seed=seed,
+                         progress=progress, **options)
+            row = {"model": str(path), "family": family, **options,
+                   **{k: r[k] for k in ("accuracy", "n", "mean_nfe", "tokens_per_nfe", "wall_s", "ms_per_problem")}}
+            rows.append(row)
+            if progress:
+                setting = ", ".join(f"{k}={v}" for k, v in options.items()) or "greedy, KV cache"
+                print(f"{Path(path).name} [{setting}]: accuracy {100 * r['accuracy']:.1f}% | mean NFE {r['mean_nfe']:.1f} "
+                      f"| {r['ms_per_problem']:.1f} ms/problem")
+    return {"data": str(data), "n": len(records), "trivial_baseline": trivial_baseline(records), "sweep": sweep, "rows": rows}
+
+
+def plot_sweep(result: dict, out: str | Path, title: str | None = None) -> Path:
+    """Accuracy against mean NFE, one curve per model; AR models are single points."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for model in dict.fromkeys(r["model"] for r in result["rows"]):
+        rows = sorted((r for r in result["rows"] if r["model"] == model), key=lambda r: r["mean_nfe"])
+        style = "s" if rows[0]["family"] == "autoregressive" else "o-"
+        ax.plot([r["mean_nfe"] for r in rows], [100 * r["accuracy"] for r in rows], style, label=Path(model).name)
+        key = next((k for k in SWEEP_KEYS if (result["sweep"] or "").startswith(k + "=")), None)
+        for r in rows:
+            if key and r.get(SWEEP_KEYS[key]) is not None:
+                ax.annotate(f"{key}={r[SWEEP_KEYS[key]]}", (r["mean_nfe"], 100 * r["accuracy"]), fontsize=7,
+                            xytext=(3, 3), textcoords="offset points")
+    ax.axhline(100 * result["trivial_baseline"], color="grey", ls=":", lw=1, label="trivial baseline")
+    ax.set(xlabel="mean NFE per problem", ylabel="accuracy (%)", ylim=(0, 100), title=title or f"{result['n']} problems")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return Path(out)
+
+
+def write_sweep(result: dict, out: str | Path) -> tuple[Path, Path]:
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    return out, plot_sweep(result, out.with_suffix(".png"))

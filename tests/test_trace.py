@@ -1,0 +1,139 @@
+import io
+import json
+
+import pytest
+import torch
+from rich.console import Console
+
+from tests.conftest import tiny_model
+from dlm.sampling.masked import generate
+from dlm.sampling.trace import EOS_MARK, PLACEHOLDER, render_steps, show_steps, trace_to_records, visible
+
+G, U = 8, 2
+
+
+class Biased(torch.nn.Module):
+    """A tiny bidirectional model whose logits are restricted to printable ASCII tokens (so token-by-token
+    decoding matches whole decoding), optionally forcing EOS at one generation position."""
+
+    def __init__(self, tok, eos_at: int | None = None):
+        super().__init__()
+        self.inner = tiny_model(len(tok), attention="bidirectional", family="masked", seed=3)
+        g = torch.Generator().manual_seed(3)
+        with torch.no_grad():  # large random weights: varied tokens and confidences
+            for p in self.inner.parameters():
+                if p.dim() == 2:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+        bias = torch.zeros(len(tok))
+        for i in range(len(tok)):
+            piece = tok.decode([i])
+            if i in tok.all_special_ids or not (piece.isascii() and piece == visible(piece)):
+                bias[i] = float("-inf")
+        self.register_buffer("bias", bias)
+        self.eos_at, self.eos_id = eos_at, tok.eos_token_id
+
+    def forward(self, ids, attention_mask=None, position_ids=None):
+        logits = self.inner(ids, attention_mask=attention_mask, position_ids=position_ids) + self.bias
+        if self.eos_at is not None:
+            logits[:, ids.shape[1] - G + self.eos_at, self.eos_id] = 1e4
+        return logits
+
+
+_RUNS = {}
+
+
+def _run(tok, eos_at=None):
+    if eos_at not in _RUNS:
+        _RUNS[eos_at] = _generate(tok, eos_at)
+    return _RUNS[eos_at]
+
+
+def _generate(tok, eos_at):
+    prompt = tok("user: Mia has 3 apples.\nassistant: ")["input_ids"]
+    out = generate(Biased(tok, eos_at), [prompt], G, tok.eos_token_id, tok.pad_token_id, tok.mask_token_id,
+                   policy="top_u", reveal_count=U, return_trace=True)
+    return prompt, out
+
+
+def _region(frame):
+    header, body = frame.plain.split("\n", 1)
+    return header, body
+
+
+def _new_spans(frame):
+    return sum("bold black on" in str(span.style) for span in frame.spans)
+
+
+@pytest.mark.parametrize("eos_at", [None, 5])
+def test_render_steps(tiny_tokenizer, eos_at):
+    tok = tiny_tokenizer
+    prompt, out = _run(tok, eos_at)
+    frames = render_steps(out.trace, tok, 0, len(prompt), G, tok.mask_token_id)
+    nfe = out.nfe[0]
+    assert len(frames) == nfe
+    if eos_at is None:
+        assert nfe == G // U  # nothing stops early: every step reveals U of the G positions
+    else:
+        assert nfe <= G // U
+    masked = []
+    for k, frame in enumerate(frames, 1):
+        header, body = _region(frame)
+        n_new = int(header.rsplit(" ", 1)[1])
+        assert header.startswith(f"step {k} (NFE {k}) · revealed ")
+        assert _new_spans(frame) == n_new == int(out.trace[k - 1]["revealed"][0].sum())
+        assert n_new == U or (k == nfe and 0 < n_new <= U)
+        masked.append(body.count(PLACEHOLDER))
+    assert masked == sorted(masked, reverse=True) and len(set(masked)) == len(masked)
+    assert masked[0] == G - U
+    final = _region(frames[-1])[1]
+    if eos_at is None:
+        assert masked[-1] == 0 and EOS_MARK not in final
+        assert final == tok.decode(out.tokens[0])
+    else:
+        assert len(out.tokens[0]) == eos_at and EOS_MARK in final
+        assert final.split(EOS_MARK)[0].replace(PLACEHOLDER, "") == tok.decode(out.tokens[0])
+        assert PLACEHOLDER not in final.split(EOS_MARK)[0]  # everything before the EOS is revealed
+
+
+def test_every_keeps_last(tiny_tokenizer):
+    tok = tiny_tokenizer
+    prompt, out = _run(tok)
+    frames = render_steps(out.trace, tok, 0, len(prompt), G, tok.mask_token_id, every=3)
+    assert [f.plain.split(" ", 2)[1] for f in frames] == ["3", "4"]
+    # a skipped step's tokens still keep their reveal-confidence colour in later frames
+    full = render_steps(out.trace, tok, 0, len(prompt), G, tok.mask_token_id)
+    assert frames[-1].plain == full[-1].plain
+    assert [s.style for s in frames[-1].spans] == [s.style for s in full[-1].spans]
+
+
+def test_records_and_show(tiny_tokenizer):
+    tok = tiny_tokenizer
+    prompt, out = _run(tok, eos_at=5)
+    records = trace_to_records(out.trace, 0, len(prompt), G)
+    assert json.loads(json.dumps(records)) == records
+    assert [r["step"] for r in records] == list(range(1, out.nfe[0] + 1))
+    positions = [p for r in records for p in r["positions"]]
+    assert len(positions) == len(set(positions)) and all(0 <= p < G for p in positions)
+    final = out.trace[-1]["canvas"][0, -G:].tolist()
+    for r in records:
+        assert [final[p] for p in r["positions"]] == r["tokens"]
+        assert all(0 < c <= 1 for c in r["confidences"])
+    first = dict(zip(records[0]["positions"], records[0]["tokens"]))
+    assert first[5] == tok.eos_token_id  # the forced EOS is the most confident: revealed at step 1
+
+    console = Console(file=io.StringIO(), force_terminal=True, width=100)
+    show_steps(out.trace, tok, 0, len(prompt), G, tok.mask_token_id, console=console)
+    text = console.file.getvalue()
+    assert "\x1b[" in text and "step 1 (NFE 1)" in text and "legend" in text
+
+
+def test_prompt_len_checked(tiny_tokenizer):
+    tok = tiny_tokenizer
+    prompt, out = _run(tok)
+    with pytest.raises(ValueError):
+        render_steps(out.trace, tok, 0, len(prompt) + 1, G, tok.mask_token_id)
+
+
+def test_visible():
+    assert visible("a\n\tb") == "a\n\tb"
+    assert visible("\x07\r\x7f") == "␇␍␡"
