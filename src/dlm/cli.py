@@ -154,11 +154,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", help="write the table (JSON) here and the plot beside it (.png)")
     e.set_defaults(func=_cmd_eval)
 
-    m = sub.add_parser("demo", help="generate tinymath, train, evaluate and show generations",
-                       description="The embedded default: generates tinymath, trains a small model on 2 CPU cores within "
-                       "the time budget, evaluates it on the test split and prints a few generations.")
+    m = sub.add_parser("demo", help="tinymath → AR run → masked diffusion adapted from it → evaluation + denoising",
+                       description="The embedded default, on 2 CPU cores: generates tinymath (easy), trains the AR "
+                       "baseline, adapts it into a masked diffusion model, evaluates both on the test split (accuracy, "
+                       "NFE, time) and renders the masked model's denoising step by step.")
     m.add_argument("--out", default="runs/demo", help="run directory (default: runs/demo)")
-    m.add_argument("--minutes", type=float, default=8.0, help="training time budget (default: 8)")
+    m.add_argument("--minutes", type=float, default=8.0, help="training time budget, split over both stages (default: 8)")
     m.set_defaults(func=_cmd_demo)
     return p
 
