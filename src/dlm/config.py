@@ -56,7 +56,7 @@ class OptimConfig(_Strict):
 
 
 class TrainConfig(_Strict):
-    objective: Literal["autoregressive", "mdm"] = "autoregressive"
+    objective: Literal["autoregressive", "mdm", "pu", "simplex"] = "autoregressive"
     steps: int = Field(1000, gt=0)
     batch_size: int = Field(32, gt=0, description="sequences per process per micro-batch")
     grad_accum: int = Field(1, gt=0)
@@ -77,6 +77,67 @@ class MaskedConfig(_Strict):
     z_loss: float = Field(1e-5, ge=0)
 
 
+class ProgressiveConfig(_Strict):
+    """Progressive unmasking, carry and truncated BPTT (PUMBA §3, Algorithm 1, App. B.2, C, F.6-F.7); read by the
+    `pu` objective. Every trajectory advances one step per forward pass and commits ground-truth tokens."""
+
+    construction: Literal["threshold", "stages"] = Field(
+        "threshold", description="'threshold': start fully masked, commit the top-u plus all above tau (LLaDA runs, "
+        "§B.2); 'stages': PUMA's stage-indexed construction with its curriculum on K (TinyGSM runs, Table 3)")
+    reveal_count: int = Field(2, gt=0, description="u of the threshold construction")
+    threshold: float | None = Field(0.9, gt=0, le=1, description="tau_train: also commit every position above it; "
+                                    "null = commit exactly u (App. F.7)")
+    stages_start: int = Field(12, gt=1, description="K at the start of the curriculum (stages construction)")
+    stages_end: int = Field(42, gt=1, description="K at the end of the curriculum")
+    stages_increment: int = Field(3, gt=0, description="K rises by this much ...")
+    stages_every: int = Field(30000, gt=0, description="... every this many updates ...")
+    stages_from: int = Field(60000, ge=0, description="... from this update on (Table 4: 12→42 by 3 every 30k from 60k)")
+    window: int = Field(1, gt=0, description="W: forward passes per optimizer update, gradient through the carry "
+                        "inside the window (truncated BPTT, Algorithm 1)")
+    carry: bool = Field(False, description="pass the last hidden state to the next step (Eq. 3.1)")
+    carry_positions: Literal["all", "masked"] = Field("all", description="where the carry is added")
+    carry_dropout: float = Field(1.0, gt=0, le=1, description="p: probability that a step receives its carry "
+                                 "(Jo et al. 2026); 1 = always (the paper's setting)")
+    activation_checkpointing: bool = Field(False, description="recompute each pass in backward so memory does not "
+                                           "grow W-fold")
+    pad_in_loss: bool = Field(False, description="padding after the first EOS is maskable and in the loss (TinyGSM "
+                              "setting, §B.3) instead of attended and maskable but out of the loss (§B.4.1)")
+    # Ablations
+    bridge: Literal["none", "gumbel", "straight_through", "reinforce"] = Field(
+        "none", description="discrete bridge through the committed tokens instead of a carry (Table 1; use with window 2)")
+    gumbel_temperature: float = Field(1.0, gt=0)
+    reinforce_weight: float = Field(1.0, gt=0)
+    student_forcing_k: float | None = Field(None, gt=0, description="scheduled sampling (App. C.3): commit the ground "
+                                            "truth with prob eps(s) = max(floor, k/(k+exp(s/k))), else the argmax")
+    student_forcing_floor: float = Field(0.1, ge=0, le=1)
+    student_forcing_warmup: int = Field(1000, ge=0, description="updates of pure teacher forcing before the schedule")
+    pool_factor: int = Field(1, gt=0, description="PU+ (App. F.6.1): keep pool_factor × batch trajectories and "
+                             "advance the next batch of them each step (10 in the paper)")
+    random_initial_masking: bool = Field(False, description="PU+: fresh trajectories start with a uniformly random "
+                                         "fraction of their positions revealed")
+    balance_lambda: float | None = Field(None, ge=0, le=1, description="PU+ Eq. F.2: lambda·(loss on the revealed) + "
+                                         "(1-lambda)·(loss on those still masked after the step); null = plain loss")
+
+    @model_validator(mode="after")
+    def _checks(self):
+        if self.stages_end < self.stages_start:
+            raise ValueError(f"stages_end ({self.stages_end}) < stages_start ({self.stages_start})")
+        if self.bridge != "none" and self.carry:
+            raise ValueError("a discrete bridge replaces the carry: set carry: false with bridge")
+        return self
+
+
+class SimplexConfig(_Strict):
+    """Simplex diffusion settings (TESS 2 §3.1–3.3, App. A.1; defaults from ../shared/notes-tess2.md)."""
+
+    simplex_value: float = Field(5.0, gt=0, description="k: tokens as ±k logit simplices (Eq. 1)")
+    timesteps: int = Field(5000, gt=1, description="T: training timesteps of the cosine schedule")
+    self_condition_prob: float = Field(0.5, ge=0, le=1, description="share of batches with a self-conditioning pass")
+    masking: Literal["prefix_lm", "ul2"] = Field("prefix_lm", description="prefix_lm: generate the response (SFT); "
+                                                 "ul2: the UL2 mixture over the whole sequence (adaptation)")
+    ul2_prefix: Literal["half", "random"] = Field("half", description="UL2 prefix-LM split: half (App. A.1) or random (§3.2)")
+
+
 class EvalConfig(_Strict):
     n: int = Field(200, gt=0, description="validation problems evaluated during training")
     batch_size: int = Field(50, gt=0)
@@ -86,8 +147,15 @@ class EvalConfig(_Strict):
     reveal_count: int = Field(2, gt=0, description="u: positions revealed per step (masked sampler)")
     confidence_threshold: float = Field(0.9, gt=0, le=1, description="tau (masked sampler)")
     block_size: int | None = Field(None, gt=0, description="block decoding (masked sampler); null = full canvas")
+    inference_steps: int = Field(100, gt=0, description="simplex sampler: reverse diffusion steps (TESS 2 §5.1)")
+    top_p: float | None = Field(None, gt=0, le=1, description="simplex: top-p projection instead of argmax (Eq. 5)")
+    early_stop_patience: int | None = Field(None, gt=0, description="simplex: stop a row once its tokens are "
+                                            "unchanged for this many steps")
 
     def sampler_options(self, family: str) -> dict:
+        if family == "simplex":
+            return {"inference_steps": self.inference_steps, "top_p": self.top_p,
+                    "early_stop_patience": self.early_stop_patience}
         if family != "masked":
             return {}
         return {"policy": self.policy, "reveal_count": self.reveal_count,
@@ -102,6 +170,8 @@ class Recipe(_Strict):
     train: TrainConfig = TrainConfig()
     optim: OptimConfig = OptimConfig()
     masked: MaskedConfig = MaskedConfig()
+    progressive: ProgressiveConfig = ProgressiveConfig()
+    simplex: SimplexConfig = SimplexConfig()
     eval: EvalConfig = EvalConfig()
 
 

@@ -27,8 +27,13 @@ class ModelSpec(BaseModel):
     mask_token_id: int | None = None
     eos_token_id: int | None = None
     pad_token_id: int | None = None
-    simplex_k: float | None = None
+    simplex_k: float | None = None  # TESS 2 Eq. 1: tokens as ±k logit simplices
+    simplex_timesteps: int | None = None  # T of the cosine schedule the simplex model was trained with
+    self_conditioning: bool = False  # the simplex input mixes in the previous prediction (TESS §3.1)
     block_size: int | None = None
+    # PUMBA Eq. 3.1: the model takes the previous step's last hidden state through a zero-initialised LayerNorm
+    carry: bool = False
+    carry_positions: Literal["all", "masked"] = "all"  # where the carry is added (see dlm.modeling.carry)
 
     def save(self, directory: str | Path) -> Path:
         path = Path(directory) / SPEC_FILE

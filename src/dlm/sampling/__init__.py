@@ -17,6 +17,11 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, eo
 
         return masked_generate(model, prompts, max_new_tokens, eos_id, pad_id, model.spec.mask_token_id,
                                temperature=temperature, generator=generator, **options)
+    if family == "simplex":
+        from dlm.sampling.simplex import generate as simplex_generate
+
+        return simplex_generate(model, prompts, max_new_tokens, eos_id, pad_id, temperature=temperature,
+                                generator=generator, **options)
     raise NotImplementedError(f"no sampler for model family {family!r} yet")
 
 
@@ -24,8 +29,13 @@ def load_for_inference(path, dtype=None):
     """(model, tokenizer) from a dlm model dir, a run dir or a checkpoint dir."""
     from dlm.data.tokenizer import load_tokenizer
     from dlm.modeling.backbone import DiffusionLM, resolve_model_dir
+    from dlm.modeling.spec import ModelSpec
 
     model_dir = resolve_model_dir(path)
+    if ModelSpec.exists(model_dir) and ModelSpec.load(model_dir).family == "simplex":
+        from dlm.modeling.simplex import load_simplex_lm
+
+        return load_simplex_lm(model_dir, dtype=dtype).eval(), load_tokenizer(model_dir)
     model = DiffusionLM.from_pretrained(model_dir, dtype=dtype).eval()
     return model, load_tokenizer(model_dir)
 

@@ -54,6 +54,19 @@ def build_model(recipe: Recipe, tok) -> DiffusionLM:
                                   pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
     spec = ModelSpec(family=family, attention=attention, label_shift=cfg.label_shift, mask_token_id=tok.mask_token_id,
                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    if recipe.train.objective == "pu" and recipe.progressive.carry:  # PUMBA Eq. 3.1: zero-initialised carry layer
+        from dlm.modeling.carry import attach_carry
+
+        spec = spec.model_copy(update={"carry": True, "carry_positions": recipe.progressive.carry_positions})
+        attach_carry(backbone, resolve_model_dir(cfg.init_from) if cfg.init_from else None)
+    if family == "simplex":  # TESS 2: k, T and self-conditioning travel with the model; timestep embedding added
+        from dlm.modeling.simplex import add_timestep_embedding
+
+        sc = recipe.simplex
+        spec = spec.model_copy(update={"simplex_k": sc.simplex_value, "simplex_timesteps": sc.timesteps,
+                                       "self_conditioning": sc.self_condition_prob > 0})
+        init = resolve_model_dir(cfg.init_from) if cfg.init_from else None
+        return add_timestep_embedding(DiffusionLM(backbone, spec), init)
     return DiffusionLM(backbone, spec)
 
 
@@ -100,6 +113,10 @@ class Trainer:
         self.model, self.optimizer = self.acc.prepare(model, optimizer)
         self.scheduler = scheduler
         self.objective = build_objective(tc.objective, recipe, self.tok.mask_token_id, self.acc.process_index)
+        # Objectives that keep their own samples (PU trajectory pools) refill from the stream themselves.
+        self.owns_data = hasattr(self.objective, "attach")
+        if self.owns_data:
+            self.objective.attach(self.stream, coll, self.unwrapped.config.hidden_size)
         self.ema = EMA(self.unwrapped, tc.ema_decay) if tc.ema_decay else None
         self.step, self.tokens_seen = 0, 0
         if resume:
@@ -117,13 +134,15 @@ class Trainer:
         count = torch.zeros((), device=self.acc.device)
         metrics: dict[str, float] = {}
         for micro in range(tc.grad_accum):
-            batch = {k: v.to(self.acc.device) for k, v in next(self.stream).items()}
-            self.tokens_seen += int(batch["attention_mask"].sum()) * self.acc.num_processes
+            batch = None if self.owns_data else {k: v.to(self.acc.device) for k, v in next(self.stream).items()}
             sync = micro == tc.grad_accum - 1
             ctx = self.acc.no_sync(self.model) if not sync else _nullcontext()
             with ctx, self.acc.autocast():
                 l_sum, n, m = self.objective.loss(self.model, batch)
                 self.acc.backward(l_sum)
+            seen = (tc.batch_size * self.recipe.model.max_length * m.get("passes", 1.0) if batch is None
+                    else int(batch["attention_mask"].sum()))
+            self.tokens_seen += int(seen) * self.acc.num_processes
             loss_sum += l_sum.detach().float()
             count += n.float()
             for k, v in m.items():

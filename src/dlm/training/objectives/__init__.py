@@ -28,10 +28,24 @@ def build_objective(name: str, recipe, mask_token_id: int | None = None, rank: i
             raise ValueError("the mdm objective needs a tokenizer with a mask token")
         m = recipe.masked
         return MDMObjective(mask_token_id, recipe.train.seed, rank, m.weight_cap, m.z_loss)
+    if name == "pu":
+        from dlm.training.objectives.progressive import ProgressiveObjective
+
+        if mask_token_id is None:
+            raise ValueError("the pu objective needs a tokenizer with a mask token")
+        t, m = recipe.train, recipe.masked
+        return ProgressiveObjective(recipe.progressive, mask_token_id, t.seed, rank, t.batch_size, t.grad_accum,
+                                    recipe.model.max_length, m.weight_cap, m.z_loss)
+    if name == "simplex":
+        from dlm.training.objectives.simplex import SimplexObjective
+
+        c = recipe.simplex
+        return SimplexObjective(c.simplex_value, c.timesteps, c.self_condition_prob, c.masking,
+                                recipe.model.label_shift, recipe.train.seed, rank, c.ul2_prefix)
     raise ValueError(f"unknown objective {name!r}")
 
 
-FAMILIES = {"autoregressive": "autoregressive", "mdm": "masked"}
+FAMILIES = {"autoregressive": "autoregressive", "mdm": "masked", "pu": "masked", "simplex": "simplex"}
 
 
 def model_family(objective: str) -> str:
