@@ -47,10 +47,19 @@ def test_checkpoint_latest_skips_incomplete(tmp_path):
     assert ckpt.latest(root) == root / "step_0000004"
 
 
-@pytest.mark.parametrize("objective", ["autoregressive", "mdm"])
+RESUME_CASES = {
+    "autoregressive": (),
+    "mdm": ("train.objective=mdm", "model.attention=bidirectional"),
+    # PUMBA: trajectories (u=2 over ~40-token responses) are mid-way at the step-4 checkpoint; carry and W=2 windows
+    "pu": ("train.objective=pu", "model.attention=bidirectional", "progressive.carry=true", "progressive.window=2",
+           "progressive.carry_dropout=0.5"),
+}
+
+
+@pytest.mark.parametrize("objective", list(RESUME_CASES))
 def test_resume_after_crash_during_checkpoint_equals_uninterrupted(tmp_path, objective):
     data = tmp_path / "data"
-    extra = ("train.objective=mdm", "model.attention=bidirectional") if objective == "mdm" else ()
+    extra = RESUME_CASES[objective]
     full = train(small_recipe(tmp_path / "full", data, *extra), progress=False)
     reference = losses(full)
     assert len(reference) == 12

@@ -75,14 +75,21 @@ class BatchStream:
         return self
 
     def __next__(self):
-        global_batch = self.batch_size * self.world_size
-        if self.cursor + global_batch > len(self.examples):
+        return self.collate_fn(self.take(self.batch_size))
+
+    def take(self, n: int) -> list:
+        """The next `n` examples of this rank (the global stream advances by n × world size); trajectory pools
+        refill from here one sample at a time."""
+        global_n = n * self.world_size
+        if global_n > len(self.examples):
+            raise ValueError(f"cannot draw {global_n} examples from {len(self.examples)}")
+        if self.cursor + global_n > len(self.examples):
             self.epoch, self.cursor = self.epoch + 1, 0
             self._perm = self._permutation(self.epoch)
-        start = self.cursor + self.rank * self.batch_size
-        idx = self._perm[start : start + self.batch_size].tolist()
-        self.cursor += global_batch
-        return self.collate_fn([self.examples[i] for i in idx])
+        start = self.cursor + self.rank * n
+        idx = self._perm[start : start + n].tolist()
+        self.cursor += global_n
+        return [self.examples[i] for i in idx]
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "cursor": self.cursor}

@@ -39,6 +39,8 @@ class Difficulty:
 
 
 LEVELS: dict[str, Difficulty] = {
+    # one operation on numbers up to 20: a fast-learning level for smoke and learning tests, not for comparisons
+    "starter": Difficulty("starter", 1, 1, 20, ("+", "-"), False, 0, False, 1),
     "easy": Difficulty("easy", 1, 2, 20, ("+", "-"), False, 0, False, 1),
     "medium": Difficulty("medium", 2, 4, 50, ("+", "-", "*", "/"), True, 1, True, 2),
     "hard": Difficulty("hard", 4, 6, 100, ("+", "-", "*", "/"), True, 2, True, 4),

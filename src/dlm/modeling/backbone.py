@@ -106,11 +106,32 @@ class DiffusionLM(nn.Module):
     def config(self):
         return self.backbone.config
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
-        logits = self.backbone(input_ids=input_ids, attention_mask=attention_mask, **kwargs).logits
-        if self.spec.family == "autoregressive":
-            return logits
-        return align_logits(logits, self.spec.label_shift)
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                carry: torch.Tensor | None = None, return_hidden: bool = False,
+                embeds_delta: torch.Tensor | None = None, **kwargs):
+        """Logits [B, L, V]; with `return_hidden`, (logits, last hidden state after the final norm [B, L, d]).
+        `carry` [B, L, d] is the previous step's hidden state (PUMBA Eq. 3.1; needs a model built with a carry);
+        `embeds_delta` [B, L, d] is added to the token embeddings (gradient paths of the discrete bridges)."""
+        if carry is None and not return_hidden and embeds_delta is None:
+            logits = self.backbone(input_ids=input_ids, attention_mask=attention_mask, **kwargs).logits
+            hidden = None
+        else:
+            embeds = self.backbone.get_input_embeddings()(input_ids)
+            if carry is not None:
+                if not self.spec.carry:
+                    raise ValueError("this model has no carry layer (build it with a carry: spec.carry / masked.carry)")
+                from dlm.modeling.carry import CARRY_MODULE, carry_input
+
+                added = carry_input(getattr(self.backbone, CARRY_MODULE), carry, input_ids, self.spec.mask_token_id,
+                                    self.spec.label_shift, self.spec.carry_positions, attention_mask)
+                embeds = embeds + added.to(embeds.dtype)
+            if embeds_delta is not None:
+                embeds = embeds + embeds_delta.to(embeds.dtype)
+            hidden = self.backbone.base_model(inputs_embeds=embeds, attention_mask=attention_mask, **kwargs).last_hidden_state
+            logits = self.backbone.get_output_embeddings()(hidden)
+        if self.spec.family != "autoregressive":
+            logits = align_logits(logits, self.spec.label_shift)
+        return (logits, hidden) if return_hidden else logits
 
     def save_pretrained(self, directory: str | Path, state_dict: dict | None = None) -> None:
         directory = Path(directory)
@@ -125,7 +146,15 @@ class DiffusionLM(nn.Module):
         """A dlm model directory (HF files + dlm.json), or a plain HF checkpoint loaded as an AR model."""
         directory = Path(directory)
         spec = ModelSpec.load(directory) if ModelSpec.exists(directory) else ModelSpec()
-        return cls(load_backbone(directory, dtype=dtype), spec)
+        backbone = load_backbone(directory, dtype=dtype)
+        if spec.carry:
+            from dlm.modeling.carry import CARRY_MODULE, attach_carry, read_tensors
+
+            if not read_tensors(directory, f"{CARRY_MODULE}."):
+                raise FileNotFoundError(f"{directory}: dlm.json says the model has a carry but no {CARRY_MODULE} "
+                                        f"weights were found in its safetensors")
+            attach_carry(backbone, directory)
+        return cls(backbone, spec)
 
 
 def resolve_model_dir(path: str | Path) -> Path:

@@ -75,8 +75,13 @@ def generate(
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
     return_trace: bool = False,
+    reset_carry_per_block: bool = False,
 ) -> MaskedGeneration:
-    """Reveal `gen_length` masked positions after each prompt until each row is finished (PUMBA §2)."""
+    """Reveal `gen_length` masked positions after each prompt until each row is finished (PUMBA §2).
+
+    A model with a carry (PUMBA Eq. 3.1) receives the previous step's last hidden state, zero at the first step; on
+    the full canvas it passes from step to step and across blocks, and with `reset_carry_per_block` (block diffusion,
+    App. B.4.3) it restarts from zero when a row moves to a new block."""
     rule = make_rule(policy, reveal_count, confidence_threshold)
     if block_size is not None and block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -92,14 +97,25 @@ def generate(
     done = finished(canvas[:, P:], eos_id, mask_id)
     nfe = torch.zeros(B, dtype=torch.long, device=device)
     trace: list[dict] | None = [] if return_trace else None
+    uses_carry = bool(getattr(getattr(model, "spec", None), "carry", False))
+    carry = torch.zeros(B, P + gen_length, model.config.hidden_size, device=device) if uses_carry else None
+    last_block = torch.zeros(B, dtype=torch.long, device=device)
     while not bool(done.all()):
         rows = (~done).nonzero().squeeze(1)
         sub = slice(None) if len(rows) == B else rows  # finished rows are not computed again
-        logits = model(canvas[sub], attention_mask=attention[sub], position_ids=positions[sub])[:, P:]
-        confidence, token = candidates(logits, mask_id, temperature, generator)
         region = canvas[sub, P:]
         masked = region == mask_id
         current = block_of[first_index(masked).clamp(max=gen_length - 1)]  # the first block with a mask
+        if uses_carry:
+            if reset_carry_per_block:
+                carry[sub] = carry[sub] * (current == last_block[sub])[:, None, None].to(carry.dtype)
+                last_block[sub] = current
+            logits, hidden = model(canvas[sub], attention_mask=attention[sub], position_ids=positions[sub],
+                                   carry=carry[sub], return_hidden=True)
+            carry[sub] = hidden.float()
+        else:
+            logits = model(canvas[sub], attention_mask=attention[sub], position_ids=positions[sub])
+        confidence, token = candidates(logits[:, P:], mask_id, temperature, generator)
         eligible = masked & (block_of[None, :] == current[:, None])
         reveal = rule(confidence, eligible)
         canvas[sub, P:] = torch.where(reveal, token, region)
