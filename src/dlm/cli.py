@@ -56,10 +56,25 @@ def _cmd_generate(a):
                     prompts.append(json.loads(line)["prompt"] if line.startswith("{") else line)
     if not prompts:
         sys.exit("dlm generate: give at least one --prompt or a --file")
-    sampler = {"policy": a.sampler, "reveal_count": a.u, "confidence_threshold": a.tau, "block_size": a.block_size}
+    sampler = {"policy": a.sampler, "reveal_count": a.u, "confidence_threshold": a.tau, "block_size": a.block_size,
+               **_simplex_options(a)}
     for r in generate_text(a.model, prompts, max_new_tokens=a.max_new_tokens, temperature=a.temperature, seed=a.seed,
                            show_steps=a.show_steps, **sampler):
         print(f"user: {r['prompt']}\nassistant ({r['nfe']} NFE):\n{r['response']}\n")
+
+
+def _simplex_options(a) -> dict:
+    return {"inference_steps": a.steps, "top_p": a.top_p, "early_stop_patience": a.early_stop,
+            "reward_model": a.reward_model, "guidance_scale": a.eta, "guidance_steps": a.guidance_steps}
+
+
+def _add_simplex_flags(p) -> None:
+    p.add_argument("--steps", type=int, help="simplex: reverse diffusion steps (default: 100)")
+    p.add_argument("--top-p", type=float, help="simplex: top-p projection instead of argmax (e.g. 0.99)")
+    p.add_argument("--early-stop", type=int, metavar="N", help="simplex: stop a sample once unchanged for N steps")
+    p.add_argument("--reward-model", help="simplex: reward model directory for reward guidance (TESS 2 §3.4)")
+    p.add_argument("--eta", type=float, help="simplex: reward-guidance scale η (default: 0, no guidance)")
+    p.add_argument("--guidance-steps", type=int, help="simplex: gradient-ascent steps per diffusion step (default: 1)")
 
 
 def _cmd_eval(a):
@@ -67,7 +82,8 @@ def _cmd_eval(a):
     from dlm.evaluation.sweeps import run_sweep, write_sweep
 
     data = a.data or default_task_file(a.model[0], a.task)
-    sampler = {"policy": a.sampler, "reveal_count": a.u, "confidence_threshold": a.tau, "block_size": a.block_size}
+    sampler = {"policy": a.sampler, "reveal_count": a.u, "confidence_threshold": a.tau, "block_size": a.block_size,
+               **_simplex_options(a)}
     try:
         result = run_sweep(a.model, data, sampler=sampler, sweep=a.sweep, n=a.n, batch_size=a.batch_size,
                            max_new_tokens=a.max_new_tokens, seed=a.seed)
@@ -129,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--block-size", type=int, help="masked: block decoding with blocks of this size")
     g.add_argument("--show-steps", action="store_true",
                    help="masked: render the denoising step by step, tokens coloured by confidence")
+    _add_simplex_flags(g)
     g.set_defaults(func=_cmd_generate)
 
     e = sub.add_parser("eval", help="evaluate models on a task (accuracy, NFE, time; sweeps)",
@@ -147,7 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--u", type=int, default=2, help="masked: positions revealed per step for top_u (default: 2)")
     e.add_argument("--tau", type=float, default=0.9, help="masked: confidence threshold (Fast-dLLM) (default: 0.9)")
     e.add_argument("--block-size", type=int, help="masked: block decoding with blocks of this size (default: full canvas)")
-    e.add_argument("--sweep", help="grid over one setting: tau=0.7,0.8,0.9,1.0 or u=1,2,4,8")
+    e.add_argument("--sweep", help="grid over one setting: tau=0.7,0.8,0.9,1.0 or u=1,2,4,8 (masked); "
+                   "steps=10,100 or eta=0,0.25 (simplex)")
+    _add_simplex_flags(e)
     e.add_argument("--batch-size", type=int, default=50)
     e.add_argument("--max-new-tokens", type=int, default=128, help="AR: token limit; masked: generation canvas length")
     e.add_argument("--seed", type=int, default=0)

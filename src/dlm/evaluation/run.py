@@ -7,7 +7,7 @@ from pathlib import Path
 
 from dlm.data.sources import read_jsonl
 from dlm.evaluation.tasks import evaluate, trivial_baseline
-from dlm.sampling import load_for_inference
+from dlm.sampling import load_for_inference, options_for
 
 TASKS = ("tinymath",)
 
@@ -35,8 +35,7 @@ def evaluate_model(model_path: str | Path, task: str = "tinymath", data: str | P
         raise ValueError(f"{path}: every record needs an 'answer' field to be graded")
     records = records[:n] if n else records
     model, tok = load_for_inference(model_path)
-    if model.spec.family != "masked":
-        sampler_options = {}
+    sampler_options = options_for(model.spec.family, sampler_options)
     result = evaluate(model, tok, records, batch_size=batch_size, max_new_tokens=max_new_tokens,
                       temperature=temperature, seed=seed, progress=progress, **sampler_options)
     result.update({"model": str(model_path), "task": task, "data": str(path), "trivial_baseline": trivial_baseline(records)})

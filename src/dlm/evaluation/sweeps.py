@@ -9,19 +9,21 @@ from pathlib import Path
 
 from dlm.data.sources import read_jsonl
 from dlm.evaluation.tasks import evaluate, trivial_baseline
-from dlm.sampling import load_for_inference
+from dlm.sampling import SAMPLER_OPTIONS, load_for_inference, options_for
 
-SWEEP_KEYS = {"tau": "confidence_threshold", "u": "reveal_count"}
+SWEEP_KEYS = {"tau": "confidence_threshold", "u": "reveal_count", "steps": "inference_steps", "eta": "guidance_scale"}
+CASTS = {"tau": float, "u": int, "steps": int, "eta": float}
 
 
 def parse_sweep(spec: str | None) -> tuple[str | None, list]:
-    """'tau=0.7,0.8' → ('confidence_threshold', [0.7, 0.8]); 'u=1,2' → ('reveal_count', [1, 2])."""
+    """'tau=0.7,0.8' → ('confidence_threshold', [0.7, 0.8]); 'u=1,2' → ('reveal_count', [1, 2]); simplex models:
+    'steps=10,100' → inference steps, 'eta=0,0.25' → reward-guidance scale."""
     if not spec:
         return None, [None]
     key, sep, values = spec.partition("=")
     if not sep or key not in SWEEP_KEYS or not values:
-        raise ValueError(f"--sweep {spec!r}: expected tau=V1,V2,... or u=V1,V2,...")
-    cast = float if key == "tau" else int
+        raise ValueError(f"--sweep {spec!r}: expected tau=, u=, steps= or eta= followed by V1,V2,...")
+    cast = CASTS[key]
     try:
         return SWEEP_KEYS[key], [cast(v) for v in values.split(",")]
     except ValueError:
@@ -41,9 +43,9 @@ def run_sweep(models: Sequence[str | Path], data: str | Path, *, sampler: dict, 
     for path in models:
         model, tok = load_for_inference(path)
         family = model.spec.family
-        for value in values if family == "masked" else [None]:
-            options = dict(sampler) if family == "masked" else {}
-            if key and value is not None:
+        for value in values if key in SAMPLER_OPTIONS[family] else [None]:
+            options = options_for(family, sampler)
+            if key in SAMPLER_OPTIONS[family] and value is not None:
                 options[key] = value
             r = evaluate(model, tok, records, batch_size=batch_size, max_new_tokens=max_new_tokens, seed=seed,
                          progress=progress, **options)

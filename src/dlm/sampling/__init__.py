@@ -4,6 +4,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+# The settings each family's sampler takes; callers pass one dict and each model gets its own share.
+SAMPLER_OPTIONS = {
+    "autoregressive": (),
+    "masked": ("policy", "reveal_count", "confidence_threshold", "block_size"),
+    "simplex": ("inference_steps", "top_p", "early_stop_patience", "reward_model", "guidance_scale", "guidance_steps"),
+}
+
+
+def options_for(family: str, options: dict) -> dict:
+    """The entries of `options` that the sampler of `family` takes (None values dropped: the sampler's default)."""
+    return {k: v for k, v in options.items() if k in SAMPLER_OPTIONS.get(family, ()) and v is not None}
+
 
 def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, eos_id: int, pad_id: int,
              temperature: float = 0.0, generator=None, **options):
@@ -50,8 +62,7 @@ def generate_text(model_path, prompts: Sequence[str], *, max_new_tokens: int = 1
 
     model, tok = load_for_inference(model_path)
     masked = model.spec.family == "masked"
-    if not masked:
-        options = {}
+    options = options_for(model.spec.family, options)
     ids = [encode_pair(tok, p, "")[0] for p in prompts]
     out = generate(model, ids, max_new_tokens=max_new_tokens, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
                    temperature=temperature, generator=torch.Generator().manual_seed(seed),
