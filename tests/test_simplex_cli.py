@@ -55,3 +55,38 @@ def test_train_resume_generate_eval(tmp_path, capsys, masking):
     main(["eval", str(run), "--steps", "3", "--early-stop", "1", "--max-new-tokens", "10", "--n", "3", "--out", str(out)])
     row = json.loads(out.read_text())["rows"][0]
     assert row["early_stop_patience"] == 1 and row["mean_nfe"] <= 3
+
+
+def test_adapt_then_sft_recipes_from_a_plain_hf_checkpoint(tmp_path, tiny_tokenizer):
+    """The shipped recipes, shrunk: any local HF causal LM (no dlm.json) → TESS 2 adaptation (UL2) → instruction
+    tuning (prefix-LM) starting from the adapted weights, timestep embedding included."""
+    from pathlib import Path
+
+    from dlm.modeling.backbone import build_backbone
+    from dlm.sampling import load_for_inference
+    from dlm.training.loop import build_model
+
+    recipes = Path(__file__).parents[1] / "recipes" / "tinymath"
+    hf = build_backbone("qwen2", "nano", len(tiny_tokenizer), 128, "causal")
+    hf.save_pretrained(tmp_path / "hf")
+    tiny_tokenizer.save_pretrained(tmp_path / "hf")
+    small = [f"data.dir={tmp_path / 'data'}", "data.level=easy", "data.n_train=100", "data.n_validation=2",
+             "data.n_test=3", "model.max_length=96", "train.steps=3", "train.batch_size=8", "train.eval_every=null",
+             "train.checkpoint_every=null", "eval.max_new_tokens=8", "eval.inference_steps=2", "eval.batch_size=3",
+             "simplex.timesteps=200"]
+    adapt_recipe = load_recipe(recipes / "tess2-adapt.yaml", small + [f"model.init_from={tmp_path / 'hf'}",
+                                                                     f"out_dir={tmp_path / 'adapt'}"])
+    assert adapt_recipe.simplex.masking == "ul2" and adapt_recipe.model.label_shift
+    adapt = train(adapt_recipe, progress=False)
+    model, tok = load_for_inference(adapt)
+    assert model.spec.family == "simplex" and model.spec.label_shift and not model.backbone.config.is_causal
+    assert model.config.model_type == "qwen2" and model.spec.simplex_timesteps == 200
+    timestep = model.backbone.dlm_timestep_embedding.weight
+    assert timestep.abs().sum() > 0  # trained away from its zero start
+
+    sft_recipe = load_recipe(recipes / "tess2-sft.yaml", small + [f"model.init_from={adapt}", f"out_dir={tmp_path / 'sft'}"])
+    assert sft_recipe.simplex.masking == "prefix_lm"
+    start = build_model(sft_recipe, tok)
+    assert torch.equal(start.backbone.dlm_timestep_embedding.weight, timestep)
+    sft = train(sft_recipe, progress=False)
+    assert len(losses(sft)) >= 1 and (sft / "eval.json").is_file()

@@ -1,0 +1,81 @@
+"""The TESS 2 UL2 mixture (App. A.1): masked share, span lengths, prefix-LM split, strategy mix, padding."""
+
+from collections import Counter
+
+import pytest
+import torch
+
+from dlm.data.ul2 import AGGRESSIVE_T5, T5, prefix_mask, span_mask, ul2_mask
+
+
+def runs(mask: torch.Tensor) -> list[int]:
+    """Lengths of the maximal runs of True."""
+    out, n = [], 0
+    for v in mask.tolist() + [False]:
+        if v:
+            n += 1
+        elif n:
+            out.append(n)
+            n = 0
+    return out
+
+
+@pytest.mark.parametrize("cfg", [T5, AGGRESSIVE_T5], ids=["t5", "aggressive_t5"])
+def test_span_statistics(cfg):
+    g = torch.Generator().manual_seed(0)
+    shares, lengths = [], Counter()
+    for _ in range(300):
+        m = span_mask(512, cfg["rate"], cfg["spans"], g)
+        shares.append(m.float().mean().item())
+        lengths.update(runs(m))  # runs never merge: spans are separated by an unmasked token
+    mean = sum(shares) / len(shares)
+    assert mean == pytest.approx(cfg["rate"], abs=0.01)
+    assert min(shares) >= cfg["rate"] - 1 / 512 and max(shares) < cfg["rate"] + min(cfg["spans"]) / 512 + 1 / 512
+    assert set(lengths) == set(cfg["spans"])  # every allowed length occurs, nothing else
+
+
+def test_spans_on_short_sequences_stay_near_the_rate():
+    g = torch.Generator().manual_seed(1)
+    for n in (10, 37, 60):
+        shares = [span_mask(n, 0.5, (3, 8, 48), g).float().mean().item() for _ in range(200)]
+        assert all(0.5 - 0.02 <= s < 0.5 + 3 / n + 0.02 for s in shares), n
+        assert all(set(runs(span_mask(n, 0.5, (3, 8, 48), g))) <= {3, 8} for _ in range(50))  # 48 never fits
+
+
+def test_prefix_lm_generates_the_second_half():
+    g = torch.Generator().manual_seed(0)
+    m = prefix_mask(11, g)
+    assert m.tolist() == [False] * 5 + [True] * 6
+    starts = {int((~prefix_mask(20, g, "random")).sum()) for _ in range(300)}
+    assert min(starts) >= 1 and max(starts) <= 19 and len(starts) > 10
+
+
+def test_ul2_batch_mix_and_padding():
+    valid = torch.zeros(4, 100, dtype=torch.bool)
+    for row, n in enumerate((100, 80, 64, 30)):
+        valid[row, :n] = True
+    g = torch.Generator().manual_seed(0)
+    seen = Counter()
+    for _ in range(300):
+        gen, strategy = ul2_mask(valid, g)
+        seen[strategy] += 1
+        assert not (gen & ~valid).any()  # padding is never generated
+        if strategy == "prefix_lm":
+            assert gen[1].nonzero().squeeze(1).tolist() == list(range(40, 80))
+    assert set(seen) == {"t5", "aggressive_t5", "prefix_lm"} and min(seen.values()) > 70  # ~1/3 each
+    with pytest.raises(ValueError, match="unknown UL2 strategy"):
+        ul2_mask(valid, g, "bert")
+
+
+def test_ul2_objective_loss_on_generated_non_padding_positions():
+    from dlm.data.canvas import Example, collate
+    from dlm.training.objectives.simplex import generated_positions
+
+    batch = collate([Example([5, 6, 7, 8], [9, 10, 11]), Example([5, 6], [9])], eos_id=1, pad_id=0)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(30):
+        gen, in_loss, strategy = generated_positions(batch, "ul2", True, g)
+        assert not gen[:, 0].any() and not in_loss[:, 0].any()  # label shift: position 0 has no prediction
+        assert torch.equal(in_loss, gen & (batch["input_ids"] != 0))  # generated prompt/response/EOS, no padding
+    gen, in_loss, _ = generated_positions(batch, "prefix_lm", False, g)
+    assert torch.equal(gen, batch["maskable"]) and torch.equal(in_loss, batch["loss_mask"])
