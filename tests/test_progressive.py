@@ -80,6 +80,14 @@ def test_stage_construction_step_hand_case():
     conf = torch.tensor([[0.0] * 6 + [0.5, 0.4]])
     reveal, retire, _ = c.step(conf, maskable & ~revealed, maskable, revealed, torch.tensor([3]), maskable, G().manual_seed(0))
     assert reveal.tolist() == [[False] * 6 + [True, False]] and retire.item()
+    # Padding out of the loss: once the loss positions are revealed the trajectory retires before stage K-1.
+    loss_mask = torch.tensor([[True] * 5 + [False] * 3])
+    revealed = torch.zeros(1, 8, dtype=torch.bool)
+    revealed[0, :3] = True
+    conf = torch.tensor([[0.0, 0.0, 0.0, 0.95, 0.97, 0.1, 0.2, 0.3]])
+    reveal, retire, stage = c.step(conf, maskable & ~revealed, maskable, revealed, torch.tensor([1]), loss_mask,
+                                   G().manual_seed(0))
+    assert reveal[0, 3:5].all() and retire.item() and stage.item() < 3
 
 
 def test_stage_construction_start_spreads_stages():
@@ -405,3 +413,36 @@ def test_loss_weight_uses_realised_fraction_and_active_rescale():
         w = torch.where(in_loss.any(-1), loss_weight(t.clamp(min=1e-6)), 0.0)
         want = ((w[:, None] * ce + 1e-5 * lse ** 2) * in_loss).sum() / in_loss.sum() * (2 / 3)
     assert loss.item() == pytest.approx(want.item(), rel=1e-5)
+
+
+# ---- mask discrepancy -------------------------------------------------------------------------------------------
+def test_mmd_estimator_hand_cases():
+    from dlm.evaluation.mask_discrepancy import mdm_masks, mmd2
+
+    inf = torch.tensor([True, True, False, False])
+    same = inf.repeat(5, 1)
+    assert mmd2(same, inf, sigma=0.8) == pytest.approx(0.0, abs=1e-6)  # training = inference: zero
+    other = torch.tensor([[False, False, True, True], [False, False, True, True]])
+    k = torch.exp(torch.tensor(-4 / 0.8)).item()
+    assert mmd2(other, inf, sigma=0.8) == pytest.approx(1 + 1 - 2 * k, rel=1e-6)
+    # random MDM masks are further from a fixed left-to-right mask than copies of it, and have the right size
+    masks = mdm_masks(20, 0.3, 32, G().manual_seed(0))
+    assert (masks.sum(-1) == 6).all()
+    ltr = torch.arange(20) >= 14
+    assert mmd2(masks, ltr, 4.0) > mmd2(ltr.repeat(32, 1), ltr, 4.0) + 0.1
+
+
+def test_mask_discrepancy_runs_for_mdm_and_pu(tiny_tokenizer):
+    from dlm.evaluation.mask_discrepancy import mask_discrepancy
+
+    tok = tiny_tokenizer
+    m = tiny_model(len(tok), attention="bidirectional", family="masked", seed=0)
+    m.spec = m.spec.model_copy(update={"mask_token_id": tok.mask_token_id})
+    records = [{"prompt": f"Mia has {i} apples.", "response": f"def solution():\n    return {i}"} for i in range(3)]
+    mdm = mask_discrepancy(m, tok, records, "mdm", n_train=8, n_problems=3, progress=False)
+    pu = mask_discrepancy(m, tok, records, "pu", construction=StageConstruction(4, 0.9), n_train=8, n_problems=3,
+                          progress=False)
+    for res in (mdm, pu):
+        vals = [v for v in res["d_mask"].values() if v is not None]
+        assert len(vals) >= 5 and all(-0.2 < v <= 2.0 for v in vals)
+    assert mdm["problems_per_t"]["0.5"] == 3

@@ -82,6 +82,14 @@ def _cmd_eval(a):
     from dlm.evaluation.sweeps import run_sweep, write_sweep
 
     data = a.data or default_task_file(a.model[0], a.task)
+    if a.metric == "mask-discrepancy":
+        from dlm.evaluation.mask_discrepancy import run_mask_discrepancy
+
+        try:
+            run_mask_discrepancy(a.model, data, u=a.u, n=a.n or 50, seed=a.seed, out=a.out)
+        except ValueError as err:
+            sys.exit(f"dlm eval: {err}")
+        return
     sampler = {"policy": a.sampler, "reveal_count": a.u, "confidence_threshold": a.tau, "block_size": a.block_size,
                **_simplex_options(a)}
     try:
@@ -157,6 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     e.add_argument("model", nargs="+", help="run or model directories (several are compared in one table/plot)")
     e.add_argument("--task", default="tinymath", help="task name (default: tinymath)")
+    e.add_argument("--metric", default="accuracy", choices=["accuracy", "mask-discrepancy"],
+                   help="accuracy: solve the task (default); mask-discrepancy: D_mask(t) at t=0.1..0.9 between the "
+                   "masks the model's training procedure produces and those its top-u sampler visits (PUMBA Def. 1; "
+                   "the procedure is read from the run's recipe; --u sets u, --n the problems, default 50)")
     e.add_argument("--data", help="jsonl with prompt/response/answer (default: the first model's own test split)")
     e.add_argument("--n", type=int, help="evaluate only the first N problems")
     e.add_argument("--sampler", default="top_u", choices=["top_u", "threshold", "top_u_or_threshold"],

@@ -36,6 +36,8 @@ class DataConfig(_Strict):
     validation: str | None = None
     test: str | None = None
     dir: str | None = Field(None, description="where tinymath is written (default: <out_dir>/data)")
+    preference_pairs: bool = Field(False, description="tinymath: pair each program with a corrupted one as "
+                                   "`rejected` (reward models); jsonl records may carry `rejected` themselves")
 
     @model_validator(mode="after")
     def _paths(self):
@@ -56,7 +58,7 @@ class OptimConfig(_Strict):
 
 
 class TrainConfig(_Strict):
-    objective: Literal["autoregressive", "mdm", "pu", "simplex"] = "autoregressive"
+    objective: Literal["autoregressive", "mdm", "pu", "simplex", "reward"] = "autoregressive"
     steps: int = Field(1000, gt=0)
     batch_size: int = Field(32, gt=0, description="sequences per process per micro-batch")
     grad_accum: int = Field(1, gt=0)

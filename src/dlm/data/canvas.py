@@ -82,6 +82,12 @@ def collate_packed(rows: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
             "loss_mask": full.clone(), "prompt_len": torch.zeros(B, dtype=torch.long)}
 
 
+def collate_pairs(pairs: Sequence[tuple[Example, Example]], eos_id: int, pad_id: int) -> dict[str, torch.Tensor]:
+    """Preference pairs as one batch of 2B canvases: the B chosen responses, then the B rejected ones in the same
+    order (reward models, TESS 2 App. C)."""
+    return collate([c for c, _ in pairs] + [r for _, r in pairs], eos_id, pad_id)
+
+
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Prompts left-padded to a common length, with their attention mask (for batched generation)."""
     L = max(len(p) for p in prompts)

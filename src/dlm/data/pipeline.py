@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from dlm.config import DataConfig, ModelConfig
-from dlm.data.canvas import collate, collate_packed, make_example, pack_documents
+from dlm.data.canvas import collate, collate_packed, collate_pairs, make_example, pack_documents
 from dlm.data.sources import load_records, read_text
 from dlm.data.tokenizer import corpus_texts, encode_pair, load_tokenizer, train_bpe_tokenizer
 
@@ -35,7 +35,12 @@ def load_splits(cfg: DataConfig, default_dir: Path) -> dict[str, list[dict]]:
     else:
         paths = {"train": cfg.train, "validation": cfg.validation, "test": cfg.test}
     required = ("prompt", "response")
-    return {s: load_records(p, split=s, required=required) for s, p in paths.items() if p}
+    splits = {s: load_records(p, split=s, required=required) for s, p in paths.items() if p}
+    if cfg.preference_pairs and cfg.source == "tinymath":  # reward models: correct vs corrupted program (App. C)
+        from dlm.data.tinymath import add_rejected
+
+        splits = {s: add_rejected(records, seed=cfg.seed + i) for i, (s, records) in enumerate(splits.items())}
+    return splits
 
 
 def build_tokenizer(cfg: ModelConfig, train_records: Sequence[dict], cache_dir: Path):
@@ -51,6 +56,10 @@ def encode_examples(tok, records: Sequence[dict], max_length: int) -> tuple[list
     if records and "text" in records[0]:
         docs = [tok(r["text"], add_special_tokens=False)["input_ids"] for r in records]
         return list(pack_documents(docs, max_length, tok.eos_token_id)), collate_packed
+    if records and "rejected" in records[0]:  # preference pairs: (chosen = response, rejected)
+        pairs = [(make_example(*encode_pair(tok, r["prompt"], r["response"]), max_length),
+                  make_example(*encode_pair(tok, r["prompt"], r["rejected"]), max_length)) for r in records]
+        return pairs, partial(collate_pairs, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
     examples = [make_example(*encode_pair(tok, r["prompt"], r["response"]), max_length) for r in records]
     return examples, partial(collate, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
 

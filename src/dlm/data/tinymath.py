@@ -427,6 +427,13 @@ def _mutate(rng: random.Random, code: str) -> str | None:
     return "\n".join(lines)
 
 
+def add_rejected(records: list[dict], seed: int = 0) -> list[dict]:
+    """Preference pairs for reward models: each record gains `rejected`, a corrupted version of its program (wrong
+    operation, wrong number or broken syntax), deterministic by seed."""
+    rng = random.Random(seed * 7919 + 17)
+    return [{**r, "rejected": corrupt_program(rng, r)} for r in records]
+
+
 def corrupt_program(rng: random.Random, record: dict) -> str:
     """A wrong version of `record["response"]` (verified by running it) for preference pairs."""
     code, answer = record["response"], record["answer"]

@@ -23,6 +23,10 @@ def grade_programs(programs: Sequence[str], answers: Sequence, timeout: float = 
 def evaluate(model, tok, records: Sequence[dict], *, batch_size: int = 50, max_new_tokens: int = 128,
              temperature: float = 0.0, seed: int = 0, progress: bool = False, **sampler_options) -> dict:
     """Accuracy, mean NFE, tokens per NFE and wall time of `model` on `records` (which carry an `answer`)."""
+    if model.spec.family == "reward":  # a reward model generates nothing: pairwise accuracy on chosen vs rejected
+        from dlm.evaluation.reward import evaluate_reward
+
+        return evaluate_reward(model, tok, records, batch_size=batch_size, seed=seed)
     model.eval()
     generator = torch.Generator().manual_seed(seed)
     prompts = [encode_pair(tok, r["prompt"], "")[0] for r in records]

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict
 
 SPEC_FILE = "dlm.json"
 
-Family = Literal["autoregressive", "masked", "simplex"]
+Family = Literal["autoregressive", "masked", "simplex", "reward"]
 Attention = Literal["causal", "bidirectional", "block_causal"]
 
 

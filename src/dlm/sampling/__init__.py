@@ -44,10 +44,15 @@ def load_for_inference(path, dtype=None):
     from dlm.modeling.spec import ModelSpec
 
     model_dir = resolve_model_dir(path)
-    if ModelSpec.exists(model_dir) and ModelSpec.load(model_dir).family == "simplex":
+    family = ModelSpec.load(model_dir).family if ModelSpec.exists(model_dir) else None
+    if family == "simplex":
         from dlm.modeling.simplex import load_simplex_lm
 
         return load_simplex_lm(model_dir, dtype=dtype).eval(), load_tokenizer(model_dir)
+    if family == "reward":
+        from dlm.modeling.reward import load_reward_model
+
+        return load_reward_model(model_dir, dtype=dtype), load_tokenizer(model_dir)
     model = DiffusionLM.from_pretrained(model_dir, dtype=dtype).eval()
     return model, load_tokenizer(model_dir)
 

@@ -67,6 +67,10 @@ def build_model(recipe: Recipe, tok) -> DiffusionLM:
                                        "self_conditioning": sc.self_condition_prob > 0})
         init = resolve_model_dir(cfg.init_from) if cfg.init_from else None
         return add_timestep_embedding(DiffusionLM(backbone, spec), init)
+    if family == "reward":  # TESS 2 App. C: the backbone with a scalar head (kept when init_from is a reward model)
+        from dlm.modeling.reward import add_reward_head
+
+        return add_reward_head(DiffusionLM(backbone, spec), resolve_model_dir(cfg.init_from) if cfg.init_from else None)
     return DiffusionLM(backbone, spec)
 
 

@@ -12,7 +12,7 @@ Two constructions (Table 3):
 - `StageConstruction` (TinyGSM runs, Kim et al. 2026): K stages over the revealed fraction; a fresh trajectory starts
   with a random fraction r ~ U[0, 1/K) revealed at random; a step at stage p commits the most confident positions up
   to round(rL), r ~ U[(p+1)/K, (p+2)/K), capped at L-1, then every other position above tau, and the stage is
-  recomputed; retire after the step taken at stage K-1 (or once nothing is masked).
+  recomputed; retire after the step taken at stage K-1, or once every position in the loss is revealed.
 """
 
 from __future__ import annotations
@@ -92,7 +92,10 @@ class StageConstruction:
         if self.tau is not None:
             reveal |= masked & (confidence >= self.tau)
         new_revealed = revealed | reveal
-        retire = (stage == self.K - 1) | ~(maskable & ~new_revealed).any(-1)  # decided by the stage before the step
+        # Retired after the step taken at stage K-1 (the stage before the step decides), or once nothing in the
+        # loss is left masked: when padding is out of the loss, a trajectory whose response and EOS are revealed
+        # would otherwise idle on padding alone (with padding in the loss, as on TinyGSM, this is the same rule).
+        retire = (stage == self.K - 1) | ~(loss_mask & ~new_revealed).any(-1)
         return reveal, retire, self.stage_of(new_revealed, maskable)
 
 

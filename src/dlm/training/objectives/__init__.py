@@ -42,10 +42,14 @@ def build_objective(name: str, recipe, mask_token_id: int | None = None, rank: i
         c = recipe.simplex
         return SimplexObjective(c.simplex_value, c.timesteps, c.self_condition_prob, c.masking,
                                 recipe.model.label_shift, recipe.train.seed, rank, c.ul2_prefix)
+    if name == "reward":
+        from dlm.training.objectives.reward import RewardObjective
+
+        return RewardObjective()
     raise ValueError(f"unknown objective {name!r}")
 
 
-FAMILIES = {"autoregressive": "autoregressive", "mdm": "masked", "pu": "masked", "simplex": "simplex"}
+FAMILIES = {"autoregressive": "autoregressive", "mdm": "masked", "pu": "masked", "simplex": "simplex", "reward": "reward"}
 
 
 def model_family(objective: str) -> str:
