@@ -14,8 +14,8 @@ class RewardObjective:
                                attention_mask=batch["attention_mask"])
         B = scores.shape[0] // 2
         chosen, rejected = scores[:B], scores[B:]
-        metrics = {"pair_accuracy": float((chosen > rejected).float().mean()),
-                   "reward_margin": float((chosen - rejected).mean())}
+        margin = (chosen - rejected).detach()
+        metrics = {"pair_accuracy": float((margin > 0).float().mean()), "reward_margin": float(margin.mean())}
         return bradley_terry_loss(chosen, rejected), torch.tensor(B, device=scores.device), metrics
 
     def state_dict(self) -> dict:
