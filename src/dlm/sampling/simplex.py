@@ -55,8 +55,9 @@ def generate(
     if temperature > 0:
         raise ValueError("the simplex sampler has no temperature: sample with top_p (e.g. 0.99) instead")
     if reward_model is not None and guidance_scale != 0:
-        from dlm.sampling.guidance import check_compatible
+        from dlm.sampling.guidance import check_compatible, resolve_reward_model
 
+        reward_model = resolve_reward_model(reward_model)
         check_compatible(model, reward_model)
     k, T = spec.simplex_k, spec.simplex_timesteps
     alpha_bar = cosine_alpha_bar(T)
