@@ -446,3 +446,27 @@ def test_mask_discrepancy_runs_for_mdm_and_pu(tiny_tokenizer):
         vals = [v for v in res["d_mask"].values() if v is not None]
         assert len(vals) >= 5 and all(-0.2 < v <= 2.0 for v in vals)
     assert mdm["problems_per_t"]["0.5"] == 3
+
+
+def test_pu_plus_random_initial_masking_and_loss_balance():
+    # random initial masking: fresh trajectories start with a spread of revealed fractions (not all fully masked)
+    c = ThresholdConstruction(2, 0.9, random_initial_masking=True)
+    maskable = torch.ones(64, 20, dtype=torch.bool)
+    revealed, _ = c.start(maskable, G().manual_seed(0))
+    frac = revealed.float().mean(-1)
+    assert frac.min() < 0.15 and frac.max() > 0.85 and 0.35 < frac.mean() < 0.65
+    # Eq. F.2 with lambda = 1: the pass loss is the mean CE over the positions this step reveals, nothing else
+    plain = tiny_model(VOCAB, attention="bidirectional", family="masked", seed=9)
+    plain.spec = plain.spec.model_copy(update={"mask_token_id": MASK})
+    obj = _objective(window=1, carry=False, balance_lambda=1.0)
+    snapshot = copy.deepcopy(obj.pool)
+    loss, _, _ = obj.loss(plain)
+    revealed_now = obj.pool.revealed & ~snapshot.revealed
+    with torch.no_grad():
+        logits = plain(snapshot.canvas, attention_mask=torch.ones_like(snapshot.canvas)).float()
+        lse = torch.logsumexp(logits, -1)
+        ce = lse - logits.gather(-1, snapshot.target[..., None]).squeeze(-1)
+        in_loss = snapshot.maskable & ~snapshot.revealed & snapshot.loss_mask
+        sel = revealed_now & in_loss
+        want = (ce * sel).sum() / sel.sum() + 1e-5 * (lse ** 2 * in_loss).sum() / in_loss.sum()
+    assert sel.any() and loss.item() == pytest.approx(want.item(), rel=1e-5)
