@@ -90,6 +90,19 @@ def _cmd_eval(a):
         except ValueError as err:
             sys.exit(f"dlm eval: {err}")
         return
+    if a.metric == "intrinsic":
+        from dlm.evaluation.intrinsic import run_intrinsic
+
+        if not a.reference_model:
+            sys.exit("dlm eval: --metric intrinsic needs --reference-model (a held-out AR model directory)")
+        sampler = {"policy": a.sampler, "reveal_count": a.u, "confidence_threshold": a.tau,
+                   "block_size": a.block_size, **_simplex_options(a)}
+        try:
+            run_intrinsic(a.model, data, a.reference_model, sampler=sampler, n=a.n, batch_size=a.batch_size,
+                          max_new_tokens=a.max_new_tokens, seed=a.seed, with_mauve=not a.no_mauve, out=a.out)
+        except ValueError as err:
+            sys.exit(f"dlm eval: {err}")
+        return
     sampler = {"policy": a.sampler, "reveal_count": a.u, "confidence_threshold": a.tau, "block_size": a.block_size,
                **_simplex_options(a)}
     try:
@@ -165,7 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     e.add_argument("model", nargs="+", help="run or model directories (several are compared in one table/plot)")
     e.add_argument("--task", default="tinymath", help="task name (default: tinymath)")
-    e.add_argument("--metric", default="accuracy", choices=["accuracy", "mask-discrepancy"],
+    e.add_argument("--reference-model", help="intrinsic: held-out AR model for perplexity and MAUVE features")
+    e.add_argument("--no-mauve", action="store_true", help="intrinsic: skip MAUVE")
+    e.add_argument("--metric", default="accuracy", choices=["accuracy", "mask-discrepancy", "intrinsic"],
                    help="accuracy: solve the task (default); mask-discrepancy: D_mask(t) at t=0.1..0.9 between the "
                    "masks the model's training procedure produces and those its top-u sampler visits (PUMBA Def. 1; "
                    "the procedure is read from the run's recipe; --u sets u, --n the problems, default 50)")
