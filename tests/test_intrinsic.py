@@ -76,3 +76,26 @@ def test_intrinsic_table_end_to_end(tmp_path, tiny_tokenizer):
     assert json.loads((tmp_path / "out.json").read_text())["n"] == 20
     with pytest.raises(ValueError, match="autoregressive"):
         run_intrinsic([tmp_path / "sx"], data, tmp_path / "sx", sampler={}, with_mauve=False)
+
+
+def test_cli_intrinsic(tmp_path, tiny_tokenizer, capsys):
+    from dlm.cli import main
+    from tests.conftest import tiny_model
+    from tests.test_simplex import simplex_model
+
+    ar = tiny_model(len(tiny_tokenizer))
+    ar.save_pretrained(tmp_path / "ar")
+    tiny_tokenizer.save_pretrained(tmp_path / "ar")
+    sx = simplex_model(vocab=len(tiny_tokenizer))
+    sx.spec = sx.spec.model_copy(update={"eos_token_id": tiny_tokenizer.eos_token_id})
+    sx.save_pretrained(tmp_path / "sx")
+    tiny_tokenizer.save_pretrained(tmp_path / "sx")
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Ann has {i} cats.", "response": f"return {i}", "answer": i}) + "\n"
+                            for i in range(6)))
+    with pytest.raises(SystemExit, match="--reference-model"):
+        main(["eval", str(tmp_path / "sx"), "--metric", "intrinsic", "--data", str(data)])
+    main(["eval", str(tmp_path / "sx"), "--metric", "intrinsic", "--reference-model", str(tmp_path / "ar"), "--no-mauve",
+          "--data", str(data), "--steps", "3", "--max-new-tokens", "5", "--out", str(tmp_path / "i.json")])
+    rows = json.loads((tmp_path / "i.json").read_text())["rows"]
+    assert rows[1]["inference_steps"] == 3 and "accuracy" in rows[1] and "mauve" not in rows[1]

@@ -183,7 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--metric", default="accuracy", choices=["accuracy", "mask-discrepancy", "intrinsic"],
                    help="accuracy: solve the task (default); mask-discrepancy: D_mask(t) at t=0.1..0.9 between the "
                    "masks the model's training procedure produces and those its top-u sampler visits (PUMBA Def. 1; "
-                   "the procedure is read from the run's recipe; --u sets u, --n the problems, default 50)")
+                   "the procedure is read from the run's recipe; --u sets u, --n the problems, default 50); intrinsic: "
+                   "perplexity under --reference-model, dist-1..4, unigram entropy, MAUVE (TESS 2 §4.1)")
     e.add_argument("--data", help="jsonl with prompt/response/answer (default: the first model's own test split)")
     e.add_argument("--n", type=int, help="evaluate only the first N problems")
     e.add_argument("--sampler", default="top_u", choices=["top_u", "threshold", "top_u_or_threshold"],
