@@ -470,3 +470,14 @@ def test_pu_plus_random_initial_masking_and_loss_balance():
         sel = revealed_now & in_loss
         want = (ce * sel).sum() / sel.sum() + 1e-5 * (lse ** 2 * in_loss).sum() / in_loss.sum()
     assert sel.any() and loss.item() == pytest.approx(want.item(), rel=1e-5)
+
+
+def test_fast_confidences_match_the_policy_definition():
+    from dlm.diffusion.policies import confidences
+    from dlm.training.objectives.progressive import fast_confidences
+
+    logits = torch.randn(3, 7, VOCAB, generator=G().manual_seed(0)) * 3
+    logits[0, 0, MASK] = 20.0  # the mask token is the argmax here: the next best is taken
+    want_conf, want_tok, _ = confidences(logits, MASK)
+    conf, tok = fast_confidences(logits, torch.logsumexp(logits, -1), MASK)
+    assert torch.equal(tok, want_tok) and torch.allclose(conf, want_conf, rtol=1e-4, atol=1e-6)
