@@ -90,3 +90,20 @@ def test_adapt_then_sft_recipes_from_a_plain_hf_checkpoint(tmp_path, tiny_tokeni
     assert torch.equal(start.backbone.dlm_timestep_embedding.weight, timestep)
     sft = train(sft_recipe, progress=False)
     assert len(losses(sft)) >= 1 and (sft / "eval.json").is_file()
+
+
+def test_generate_show_steps_renders_the_reverse_process(tmp_path, tiny_tokenizer, capsys):
+    from tests.test_simplex import simplex_model
+
+    m = simplex_model(vocab=len(tiny_tokenizer))
+    m.spec = m.spec.model_copy(update={"eos_token_id": tiny_tokenizer.eos_token_id,
+                                       "pad_token_id": tiny_tokenizer.pad_token_id})
+    m.save_pretrained(tmp_path / "sx")
+    tiny_tokenizer.save_pretrained(tmp_path / "sx")
+    capsys.readouterr()
+    main(["generate", str(tmp_path / "sx"), "--prompt", "Mia has 3 apples.", "--steps", "20", "--max-new-tokens", "6",
+          "--show-steps"])
+    out = capsys.readouterr().out
+    frames = [line for line in out.splitlines() if line.startswith("step ")]
+    assert len(frames) == 10 and frames[-1].startswith("step   20/20 t=    0")  # every 2nd step, ending at t = 0
+    assert "(20 NFE)" in out

@@ -67,11 +67,12 @@ def generate_text(model_path, prompts: Sequence[str], *, max_new_tokens: int = 1
 
     model, tok = load_for_inference(model_path)
     masked = model.spec.family == "masked"
+    traced = show_steps and model.spec.family in ("masked", "simplex")
     options = options_for(model.spec.family, options)
     ids = [encode_pair(tok, p, "")[0] for p in prompts]
     out = generate(model, ids, max_new_tokens=max_new_tokens, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
                    temperature=temperature, generator=torch.Generator().manual_seed(seed),
-                   **({"return_trace": True} if show_steps and masked else {}), **options)
+                   **({"return_trace": True} if traced else {}), **options)
     results = [{"prompt": p, "response": tok.decode(t, skip_special_tokens=True), "nfe": n}
                for p, t, n in zip(prompts, out.tokens, out.nfe)]
     if show_steps and masked:
@@ -80,4 +81,10 @@ def generate_text(model_path, prompts: Sequence[str], *, max_new_tokens: int = 1
         for row, r in enumerate(results):
             print(f"user: {r['prompt']}")
             render(out.trace, tok, row, None, max_new_tokens, model.spec.mask_token_id, console=console)
+    elif traced:  # simplex: the argmax prediction across the reverse process (TESS 2 App. F)
+        from dlm.sampling.simplex import show_steps as render_simplex
+
+        for row, r in enumerate(results):
+            print(f"user: {r['prompt']}")
+            render_simplex(out.trace, tok, row, tok.eos_token_id, console=console)
     return results

@@ -115,3 +115,28 @@ def generate(
     for row in tokens.tolist():
         out.append(row[: row.index(eos_id)] if eos_id in row else row)
     return SimplexGeneration(out, nfe.tolist(), trace)
+
+
+def show_steps(trace: list[dict], tok, row: int, eos_id: int, every: int | None = None, console=None) -> int:
+    """Print the argmax prediction of `row` at the steps of a simplex trace, each token coloured by the probability
+    of the top token (TESS 2 App. F, Fig. 4); everything after the first EOS is struck through. Returns the number
+    of frames printed (about 10 by default)."""
+    from rich.console import Console
+    from rich.text import Text
+
+    from dlm.sampling.trace import confidence_colour, visible
+
+    console = console or Console(highlight=False)
+    n = len(trace)
+    every = every or max(1, n // 10)
+    frames = [k for k in range(1, n + 1) if k % every == 0 or k == n]
+    for k in frames:
+        step = trace[k - 1]
+        line = Text(f"step {k:>4}/{n} t={step['timestep']:>5} │ ", style="dim")
+        cut = False
+        for token, conf in zip(step["tokens"][row].tolist(), step["confidence"][row].tolist()):
+            piece = "⟨eos⟩" if token == eos_id else visible(tok.decode([token]))
+            line.append(piece, style=("strike dim " if cut else "") + f"on {confidence_colour(conf)}")
+            cut = cut or token == eos_id
+        console.print(line)
+    return len(frames)
