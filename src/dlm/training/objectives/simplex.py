@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dlm.data.ul2 import STRATEGIES as UL2_STRATEGIES
 from dlm.data.ul2 import ul2_mask
 from dlm.diffusion.simplex import cosine_alpha_bar, noise_simplex, to_simplex
 from dlm.modeling.simplex import simplex_logits
@@ -17,16 +18,16 @@ MASKINGS = ("prefix_lm", "ul2")
 
 
 def generated_positions(batch: dict, masking: str, label_shift: bool, generator: torch.Generator,
-                        ul2_prefix: str = "half") -> tuple[torch.Tensor, torch.Tensor, str]:
+                        ul2_prefix: str = "half", strategy: str | None = None) -> tuple[torch.Tensor, torch.Tensor, str]:
     """(generating [B, L], in_loss [B, L], strategy). Padding is never in the loss; with label shift position 0 has no
-    prediction and is never generated."""
+    prediction and is never generated. `strategy` fixes the UL2 strategy (else drawn from `generator`)."""
     if masking == "prefix_lm":
         generating, in_loss, strategy = batch["maskable"].clone(), batch["loss_mask"].clone(), "prefix_lm"
     elif masking == "ul2":
         ids = batch["input_ids"]
         positions = torch.arange(ids.shape[1], device=ids.device)[None, :]
         valid = batch["loss_mask"] | (positions < batch["prompt_len"][:, None])  # prompt, response, EOS: not padding
-        generating, strategy = ul2_mask(valid.cpu(), generator, prefix=ul2_prefix)
+        generating, strategy = ul2_mask(valid.cpu(), generator, strategy, prefix=ul2_prefix)
         generating = generating.to(ids.device)
         in_loss = generating & valid
     else:
@@ -46,12 +47,20 @@ class SimplexObjective:
         self.k, self.T, self.p_sc = simplex_value, timesteps, self_condition_prob
         self.masking, self.label_shift, self.ul2_prefix = masking, label_shift, ul2_prefix
         self.alpha_bar = cosine_alpha_bar(timesteps)
-        self.generator = torch.Generator().manual_seed(seed * 1_000_003 + rank + 7)  # all noise; saved for resume
+        self.generator = torch.Generator().manual_seed(seed * 1_000_003 + rank + 7)  # this rank's noise and spans
+        # Per-batch choices (UL2 strategy, self-conditioning) are the same on every rank: a rank that ran an extra
+        # forward would desynchronise DDP's collectives.
+        self.batch_generator = torch.Generator().manual_seed(seed * 1_000_003 + 5)
 
     def loss(self, model, batch):
         ids = batch["input_ids"]
         device, g = ids.device, self.generator
-        generating, in_loss, strategy = generated_positions(batch, self.masking, self.label_shift, g, self.ul2_prefix)
+        strategy = None
+        if self.masking == "ul2":
+            strategy = UL2_STRATEGIES[int(torch.randint(len(UL2_STRATEGIES), (1,), generator=self.batch_generator))]
+        self_condition = bool(torch.rand(1, generator=self.batch_generator) < self.p_sc)
+        generating, in_loss, strategy = generated_positions(batch, self.masking, self.label_shift, g, self.ul2_prefix,
+                                                            strategy)
         vocab = getattr(model, "module", model).backbone.get_input_embeddings().weight.shape[0]
         B, L = ids.shape
         t = torch.randint(0, self.T, (B,), generator=g)  # one timestep per sequence
@@ -60,13 +69,12 @@ class SimplexObjective:
         s_t = noise_simplex(s0, self.alpha_bar[t].to(device), z, self.k)  # TESS 2 Eq. 2
         kwargs = dict(attention_mask=batch["attention_mask"])
         previous = None
-        self_condition = bool(torch.rand(1, generator=g) < self.p_sc)
-        if self_condition:  # a first pass at the next-noisier timestep, same ε, without gradient
+        if self_condition:  # a first pass at the next-noisier timestep, same ε, without gradient (and outside DDP)
             t_next = (t + 1).clamp(max=self.T - 1)
             s_next = noise_simplex(s0, self.alpha_bar[t_next].to(device), z, self.k)
             with torch.no_grad():
-                previous = simplex_logits(model, ids, s_next, generating, (t_next.float() / self.T).to(device),
-                                          **kwargs).detach()
+                previous = simplex_logits(getattr(model, "module", model), ids, s_next, generating,
+                                          (t_next.float() / self.T).to(device), **kwargs).detach()
         logits = simplex_logits(model, ids, s_t, generating, (t.float() / self.T).to(device), previous, **kwargs)
         ce = F.cross_entropy(logits[in_loss].float(), ids[in_loss], reduction="sum")  # TESS 2 Eq. 3
         metrics = {"self_conditioned": float(self_condition), "t_mean": float(t.float().mean()) / self.T,
@@ -74,7 +82,8 @@ class SimplexObjective:
         return ce, in_loss.sum(), metrics
 
     def state_dict(self) -> dict:
-        return {"generator": self.generator.get_state()}
+        return {"generator": self.generator.get_state(), "batch_generator": self.batch_generator.get_state()}
 
     def load_state_dict(self, state: dict) -> None:
         self.generator.set_state(state["generator"])
+        self.batch_generator.set_state(state["batch_generator"])
