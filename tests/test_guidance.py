@@ -1,6 +1,8 @@
 """Reward guidance (TESS 2 §3.4, Eqs. 6–8): an ascent step with η > 0 raises the reward of the soft sequence, η = 0
 changes nothing, a reward model with another tokenizer is refused, and the sampler applies it at every step."""
 
+import json
+
 import pytest
 import torch
 
@@ -107,3 +109,23 @@ def test_reward_model_given_as_a_directory(tmp_path):
     with pytest.raises(ValueError, match="not a reward model"):
         simplex_model(vocab=40).save_pretrained(tmp_path / "sx")
         resolve_reward_model(tmp_path / "sx")
+
+
+def test_eval_sweeps_eta(tmp_path, tiny_tokenizer):
+    from dlm.cli import main
+    from tests.test_simplex import simplex_model
+
+    sx = simplex_model(vocab=len(tiny_tokenizer))
+    rm = reward_model(vocab=len(tiny_tokenizer))
+    for m, name in ((sx, "sx"), (rm, "rm")):
+        m.spec = m.spec.model_copy(update={"eos_token_id": tiny_tokenizer.eos_token_id,
+                                           "pad_token_id": tiny_tokenizer.pad_token_id})
+        m.save_pretrained(tmp_path / name)
+        tiny_tokenizer.save_pretrained(tmp_path / name)
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Ann has {i} cats.", "response": f"return {i}", "answer": i}) + "\n"
+                            for i in range(4)))
+    main(["eval", str(tmp_path / "sx"), "--data", str(data), "--steps", "2", "--reward-model", str(tmp_path / "rm"),
+          "--sweep", "eta=0,0.5", "--max-new-tokens", "4", "--out", str(tmp_path / "s.json")])
+    rows = json.loads((tmp_path / "s.json").read_text())["rows"]
+    assert [(r["guidance_scale"], r["inference_steps"], r["mean_nfe"]) for r in rows] == [(0.0, 2, 2), (0.5, 2, 2)]
