@@ -1,5 +1,8 @@
 """TESS 2 on tinymath: the measurements behind docs/results/tess2-tinymath.md, one section per run.
 
+    # (a) held-out diffusion loss under identical noise, per masking (response only, and each UL2 strategy)
+    python benchmarks/tess2_tinymath.py loss runs/tess2/adapt-ar runs/tess2/adapt-scratch \
+        --data runs/tess2/data/validation.jsonl --n 256 --values 0 --out runs/tess2/loss-adapt.json
     # (b) accuracy vs inference steps (TESS 2 §5.1)
     python benchmarks/tess2_tinymath.py steps runs/tess2/sft-ar --data runs/tess2/data/test.jsonl --n 100 \
         --values 10,25,50,100,200,500 --out runs/tess2/steps.json
@@ -84,10 +87,37 @@ def speed_section(model, tok, records, values, args) -> dict:
             "params_ar": n_params_ar, "threads": torch.get_num_threads(), "rows": rows}
 
 
+@torch.no_grad()
+def loss_section(models, records, args) -> list[dict]:
+    """Mean simplex cross-entropy per generated token on `records`, with the same timesteps, noise, spans and
+    self-conditioning for every model (fixed-seed objectives), for the response (prefix-LM) and each UL2 strategy."""
+    from dlm.data.pipeline import encode_examples
+    from dlm.training.objectives.simplex import SimplexObjective
+
+    rows = []
+    for path in models:
+        model, tok = load_for_inference(path)
+        spec = model.spec
+        examples, coll = encode_examples(tok, records, model.config.max_position_embeddings)
+        batches = [coll(examples[i : i + args.batch_size]) for i in range(0, len(examples), args.batch_size)]
+        row = {"model": path}
+        for masking, strategy in (("prefix_lm", None), ("ul2", "t5"), ("ul2", "aggressive_t5"), ("ul2", "prefix_lm")):
+            obj = SimplexObjective(spec.simplex_k, spec.simplex_timesteps, 0.5, masking, spec.label_shift, seed=123,
+                                   ul2_strategy=strategy)
+            total = count = 0.0
+            for batch in batches:
+                s, n, _ = obj.loss(model, batch)
+                total, count = total + float(s), count + int(n)
+            row["response" if strategy is None else f"ul2_{strategy}"] = total / count
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("section", choices=["steps", "guidance", "speed"])
-    ap.add_argument("model", help="simplex model (run or model dir)")
+    ap.add_argument("section", choices=["loss", "steps", "guidance", "speed"])
+    ap.add_argument("model", nargs="+", help="simplex model (run or model dir); several for `loss`")
     ap.add_argument("--data", required=True)
     ap.add_argument("--n", type=int, default=100)
     ap.add_argument("--values", required=True, help="comma-separated grid: steps or η")
@@ -101,13 +131,17 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out")
     args = ap.parse_args()
-    model, tok = load_for_inference(args.model)
     records = read_jsonl(args.data, required=("prompt", "response"))[: args.n]
     values = [float(v) for v in args.values.split(",")]
-    section = {"steps": steps_section, "guidance": guidance_section, "speed": speed_section}[args.section]
     t0 = time.perf_counter()
-    result = {"section": args.section, "model": args.model, "data": args.data, "n": len(records),
-              "result": section(model, tok, records, values, args), "wall_s": None}
+    if args.section == "loss":
+        out = loss_section(args.model, records, args)
+    else:
+        model, tok = load_for_inference(args.model[0])
+        section = {"steps": steps_section, "guidance": guidance_section, "speed": speed_section}[args.section]
+        out = section(model, tok, records, values, args)
+    result = {"section": args.section, "model": args.model, "data": args.data, "n": len(records), "result": out,
+              "wall_s": None}
     result["wall_s"] = time.perf_counter() - t0
     if args.out:
         with open(args.out, "w") as f:

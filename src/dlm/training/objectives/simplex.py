@@ -41,11 +41,12 @@ def generated_positions(batch: dict, masking: str, label_shift: bool, generator:
 class SimplexObjective:
     def __init__(self, simplex_value: float = 5.0, timesteps: int = 5000, self_condition_prob: float = 0.5,
                  masking: str = "prefix_lm", label_shift: bool = False, seed: int = 0, rank: int = 0,
-                 ul2_prefix: str = "half"):
+                 ul2_prefix: str = "half", ul2_strategy: str | None = None):
         if masking not in MASKINGS:
             raise ValueError(f"unknown simplex masking {masking!r}; choose one of {', '.join(MASKINGS)}")
         self.k, self.T, self.p_sc = simplex_value, timesteps, self_condition_prob
         self.masking, self.label_shift, self.ul2_prefix = masking, label_shift, ul2_prefix
+        self.ul2_strategy = ul2_strategy  # fixed strategy (measurements); None = the mixture
         self.alpha_bar = cosine_alpha_bar(timesteps)
         self.generator = torch.Generator().manual_seed(seed * 1_000_003 + rank + 7)  # this rank's noise and spans
         # Per-batch choices (UL2 strategy, self-conditioning) are the same on every rank: a rank that ran an extra
@@ -57,7 +58,7 @@ class SimplexObjective:
         device, g = ids.device, self.generator
         strategy = None
         if self.masking == "ul2":
-            strategy = UL2_STRATEGIES[int(torch.randint(len(UL2_STRATEGIES), (1,), generator=self.batch_generator))]
+            strategy = self.ul2_strategy or UL2_STRATEGIES[int(torch.randint(len(UL2_STRATEGIES), (1,), generator=self.batch_generator))]
         self_condition = bool(torch.rand(1, generator=self.batch_generator) < self.p_sc)
         generating, in_loss, strategy = generated_positions(batch, self.masking, self.label_shift, g, self.ul2_prefix,
                                                             strategy)
