@@ -4,7 +4,7 @@ updates (the denoiser passes of W=2). Each arm is trained (skipped if its model 
 every u on the same test problems; results go to a JSON table and two plots.
 
     python benchmarks/pumba_study.py --warm-start runs/medium-mdm-cont --out-dir runs/pumba-study \\
-        --data runs/calib-ar-medium/data --steps 200 --arms mdm,pu,w1,w2,mdm2,w4 --u 1,2,4,8,16 --n 300 \\
+        --data runs/calib-ar-medium/data --steps 200 --arms pu,mdm,w1,w2,mdm2,w4 --u 2,8,4,16,1 --n 100 \\
         --json docs/results/pumba-tinymath.json --plot docs/results/pumba-tinymath.png
 
 Arms: ar (AR continuation of --ar-start), mdm, mdm2 (MDM ×2 updates), pu, w1, w2, w4, w8 (PU + carry, BPTT window W).
@@ -39,7 +39,8 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--arms", default="mdm,pu,w1,w2,mdm2,w4")
     ap.add_argument("--u", default="1,2,4,8,16")
-    ap.add_argument("--n", type=int, default=300, help="test problems")
+    ap.add_argument("--n", type=int, default=300, help="test problems for the u sweep (u=2 uses the run's own "
+                    "end-of-training evaluation on the whole test split)")
     ap.add_argument("--max-new-tokens", type=int, default=72)
     ap.add_argument("--json", default="docs/results/pumba-tinymath.json")
     ap.add_argument("--plot", default="docs/results/pumba-tinymath.png")
@@ -54,36 +55,49 @@ def main() -> None:
     us = [int(u) for u in args.u.split(",")]
     table = json.loads(Path(args.json).read_text()) if Path(args.json).is_file() else {"rows": []}
     table.update({k: getattr(args, k) for k in ("warm_start", "data", "steps", "lr", "n", "max_new_tokens", "seed")})
-    done = {(r["arm"], r["u"]) for r in table["rows"]}
-    for arm in args.arms.split(","):
+    done = {(r["arm"], r["u"]) for r in table["rows"] if r.get("n") == args.n}
+    table["rows"] = [r for r in table["rows"] if r.get("n") == args.n]
+    arms = args.arms.split(",")
+    # Phase 1: train every arm (each ends with a top-u, u=2 evaluation of the first --n test problems).
+    for arm in arms:
         recipe_path, mult, label = ARMS[arm]
         run = out / arm
-        init = args.warm_start
-        extra = [f"model.init_from={init}", "model.max_length=144", "train.batch_size=32", "optim.warmup_steps=20",
-                 "train.checkpoint_every=50", "train.log_every=10", "eval.n=100", "eval.max_new_tokens=72"]
-        if arm == "ar":
-            init = args.ar_start or _init_of(args.warm_start)
-            extra = [f"model.init_from={init}", "model.max_length=144", "train.batch_size=32", "optim.warmup_steps=20",
-                     "train.checkpoint_every=50", "train.log_every=10", "eval.n=100", "eval.max_new_tokens=96"]
-        overrides = extra + [f"data.dir={args.data}", "data.level=medium", f"train.steps={args.steps * mult}",
-                             f"optim.lr={args.lr}", f"train.seed={args.seed}", f"out_dir={run}", f"name=study-{arm}"]
+        ar = arm == "ar"
+        init = (args.ar_start or _init_of(args.warm_start)) if ar else args.warm_start
+        overrides = [f"model.init_from={init}", "model.max_length=144", "train.batch_size=32", "optim.warmup_steps=20",
+                     "train.checkpoint_every=50", "train.log_every=10", "eval.n=100",
+                     f"eval.max_new_tokens={96 if ar else args.max_new_tokens}", f"eval.test_n={args.n}",
+                     f"data.dir={args.data}", "data.level=medium", f"train.steps={args.steps * mult}",
+                     f"optim.lr={args.lr}", f"train.seed={args.seed}", f"out_dir={run}", f"name=study-{arm}"]
         if not (run / "model" / "config.json").is_file():
             t0 = time.time()
             print(f"== training {arm} ({label}) ==", flush=True)
             train(load_recipe(recipe_path, overrides), resume=(run / "checkpoints" / "latest").is_file(), progress=False)
             (run / "train_seconds.txt").write_text(f"{time.time() - t0:.1f}\n")
-        for u in ([1] if arm == "ar" else us):
-            if (arm, u) in done:
+    # Phase 2: the u sweep, one u at a time across arms (the most informative values first).
+    for u in us:
+        for arm in arms:
+            _, _, label = ARMS[arm]
+            run = out / arm
+            if (arm, u) in done or (arm == "ar" and u != us[0]):
                 continue
-            res = evaluate_model(run, data=Path(args.data) / "test.jsonl", n=args.n, batch_size=50,
-                                 max_new_tokens=96 if arm == "ar" else args.max_new_tokens, progress=False,
-                                 policy="top_u", reveal_count=u)
-            row = {"arm": arm, "label": label, "u": u, "accuracy": res["accuracy"], "mean_nfe": res["mean_nfe"],
-                   "ms_per_problem": res["ms_per_problem"], "trivial_baseline": res["trivial_baseline"],
-                   "train_seconds": float((run / "train_seconds.txt").read_text()) if (run / "train_seconds.txt").is_file() else None}
+            final = json.loads((run / "eval.json").read_text()) if (run / "eval.json").is_file() else None
+            if final is not None and final["eval/n"] == args.n and (arm == "ar" or u == 2):
+                res = {"accuracy": final["eval/accuracy"], "mean_nfe": final["eval/mean_nfe"], "n": final["eval/n"],
+                       "ms_per_problem": final["eval/ms_per_problem"], "trivial_baseline": None}
+            else:
+                res = evaluate_model(run, data=Path(args.data) / "test.jsonl", n=args.n, batch_size=50,
+                                     max_new_tokens=96 if arm == "ar" else args.max_new_tokens, progress=False,
+                                     policy="top_u", reveal_count=u)
+            seconds = run / "train_seconds.txt"
+            row = {"arm": arm, "label": label, "u": 1 if arm == "ar" else u, "n": res["n"], "accuracy": res["accuracy"],
+                   "mean_nfe": res["mean_nfe"], "ms_per_problem": res["ms_per_problem"],
+                   "train_seconds": float(seconds.read_text()) if seconds.is_file() else None}
             table["rows"].append(row)
-            print(f"{label:18s} u={u:2d}: accuracy {100 * res['accuracy']:5.1f}% | NFE {res['mean_nfe']:5.1f}", flush=True)
+            print(f"{label:18s} u={row['u']:2d}: accuracy {100 * res['accuracy']:5.1f}% | NFE {res['mean_nfe']:5.1f}",
+                  flush=True)
             Path(args.json).write_text(json.dumps(table, indent=2) + "\n")
+            plot(table, args.plot)
     Path(args.json).write_text(json.dumps(table, indent=2) + "\n")
     plot(table, args.plot)
 

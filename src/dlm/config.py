@@ -142,6 +142,7 @@ class SimplexConfig(_Strict):
 
 class EvalConfig(_Strict):
     n: int = Field(200, gt=0, description="validation problems evaluated during training")
+    test_n: int | None = Field(None, gt=0, description="test problems evaluated when training ends (null = all)")
     batch_size: int = Field(50, gt=0)
     max_new_tokens: int = Field(128, gt=0, description="AR: token limit; masked: length of the generation canvas")
     temperature: float = Field(0.0, ge=0)

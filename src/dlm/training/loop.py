@@ -314,7 +314,7 @@ def train(recipe: Recipe, resume: bool = False, progress: bool = True) -> Path:
 
         plot_training_curve(run_dir)
     if "test" in trainer.splits:
-        result = trainer.evaluate("test")
+        result = trainer.evaluate("test", recipe.eval.test_n)
         if trainer.acc.is_main_process and result:
             samples = result.pop("samples")
             (run_dir / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
