@@ -276,19 +276,21 @@ def _manual_window(model, pool, window, z_loss=1e-5, detach_between=False):
     from dlm.diffusion.masking import mdm_loss
     from dlm.diffusion.policies import confidences, top_u_or_threshold
 
-    canvas, revealed = pool.canvas.clone(), pool.revealed.clone()
-    carry = pool.carry.clone()
+    w = int(pool.lengths.max())  # the batch is cut to its longest canvas
+    canvas, revealed = pool.canvas[:, :w].clone(), pool.revealed[:, :w].clone()
+    carry = pool.carry[:, :w].clone()
+    maskable, loss_mask, target = pool.maskable[:, :w], pool.loss_mask[:, :w], pool.target[:, :w]
     total = 0.0
     for _ in range(window):
-        masked = pool.maskable & ~revealed
-        in_loss = masked & pool.loss_mask
+        masked = maskable & ~revealed
+        in_loss = masked & loss_mask
         logits, hidden = model(canvas, attention_mask=torch.ones_like(canvas), carry=carry, return_hidden=True)
-        t = in_loss.sum(-1).float() / pool.loss_mask.sum(-1).float()
-        s, n = mdm_loss(logits, pool.target, masked, pool.loss_mask, t, 5.0, z_loss)
+        t = in_loss.sum(-1).float() / loss_mask.sum(-1).float()
+        s, n = mdm_loss(logits, target, masked, loss_mask, t, 5.0, z_loss)
         total = total + s / n * in_loss.any(-1).float().mean()
         conf, _, _ = confidences(logits.detach(), MASK)
         reveal = top_u_or_threshold(conf, masked, 2, 0.9)
-        canvas = torch.where(reveal, pool.target, canvas)
+        canvas = torch.where(reveal, target, canvas)
         revealed = revealed | reveal
         carry = hidden.detach() if detach_between else hidden
     return total / window
@@ -318,7 +320,10 @@ def test_bptt_gradient_matches_hand_unrolled_window(checkpointing):
     cut = _grads(model, _manual_window(model, start, 3, detach_between=True))
     assert any(not torch.allclose(cut[n], want[n], rtol=1e-3, atol=1e-6) for n in want)
     # the stored carry is detached (the next window starts a new graph) and is the last pass's hidden state
-    assert obj.pool.carry.requires_grad is False and obj.pool.carry.abs().sum() > 0
+    pool = obj.pool
+    assert pool.carry.requires_grad is False
+    live, fresh = pool.steps > 0, pool.steps == 0  # fresh rows were retired and refilled: zero carry
+    assert (pool.carry[fresh] == 0).all() and all(pool.carry[i].abs().sum() > 0 for i in live.nonzero().flatten())
 
 
 def test_window_one_equals_plain_pu_loss_and_carry_changes_nothing_at_init():
@@ -403,13 +408,16 @@ def test_loss_weight_uses_realised_fraction_and_active_rescale():
     snapshot = copy.deepcopy(pool)
     loss, _, metrics = obj.loss(plain)
     assert metrics["active_fraction"] == pytest.approx(2 / 3)
+    w = int(snapshot.lengths.max())
+    assert w < snapshot.length  # the pass ran on the longest canvas of the chunk, not the pool's full width
     with torch.no_grad():
-        logits = plain(snapshot.canvas, attention_mask=torch.ones_like(snapshot.canvas))
-        masked = (snapshot.maskable & ~snapshot.revealed) & ~snapshot.done[:, None]
-        in_loss = masked & snapshot.loss_mask
+        canvas, target, loss_mask = snapshot.canvas[:, :w], snapshot.target[:, :w], snapshot.loss_mask[:, :w]
+        logits = plain(canvas, attention_mask=torch.ones_like(canvas))
+        masked = (snapshot.maskable & ~snapshot.revealed)[:, :w] & ~snapshot.done[:, None]
+        in_loss = masked & loss_mask
         lse = torch.logsumexp(logits.float(), -1)
-        ce = lse - logits.float().gather(-1, snapshot.target[..., None]).squeeze(-1)
-        t = in_loss.sum(-1).float() / snapshot.loss_mask.sum(-1).float()
+        ce = lse - logits.float().gather(-1, target[..., None]).squeeze(-1)
+        t = in_loss.sum(-1).float() / loss_mask.sum(-1).float()
         w = torch.where(in_loss.any(-1), loss_weight(t.clamp(min=1e-6)), 0.0)
         want = ((w[:, None] * ce + 1e-5 * lse ** 2) * in_loss).sum() / in_loss.sum() * (2 / 3)
     assert loss.item() == pytest.approx(want.item(), rel=1e-5)
@@ -461,12 +469,14 @@ def test_pu_plus_random_initial_masking_and_loss_balance():
     obj = _objective(window=1, carry=False, balance_lambda=1.0)
     snapshot = copy.deepcopy(obj.pool)
     loss, _, _ = obj.loss(plain)
-    revealed_now = obj.pool.revealed & ~snapshot.revealed
+    w = int(snapshot.lengths.max())
+    revealed_now = (obj.pool.revealed & ~snapshot.revealed)[:, :w]
     with torch.no_grad():
-        logits = plain(snapshot.canvas, attention_mask=torch.ones_like(snapshot.canvas)).float()
+        canvas = snapshot.canvas[:, :w]
+        logits = plain(canvas, attention_mask=torch.ones_like(canvas)).float()
         lse = torch.logsumexp(logits, -1)
-        ce = lse - logits.gather(-1, snapshot.target[..., None]).squeeze(-1)
-        in_loss = snapshot.maskable & ~snapshot.revealed & snapshot.loss_mask
+        ce = lse - logits.gather(-1, snapshot.target[:, :w, None]).squeeze(-1)
+        in_loss = (snapshot.maskable & ~snapshot.revealed & snapshot.loss_mask)[:, :w]
         sel = revealed_now & in_loss
         want = (ce * sel).sum() / sel.sum() + 1e-5 * (lse ** 2 * in_loss).sum() / in_loss.sum()
     assert sel.any() and loss.item() == pytest.approx(want.item(), rel=1e-5)

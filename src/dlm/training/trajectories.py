@@ -135,6 +135,7 @@ class TrajectoryPool:
         self.steps = torch.zeros(size, dtype=torch.long)
         self.stage = torch.zeros(size, dtype=torch.long)
         self.done = torch.zeros(size, dtype=torch.bool)
+        self.lengths = torch.zeros(size, dtype=torch.long)  # prompt + response + EOS of each row
         self.carry = torch.zeros(size, length, carry_dim, dtype=torch.float32) if carry_dim else None
         self.samples_started = 0
         self.refill(torch.arange(size), spread=True)
@@ -154,6 +155,9 @@ class TrajectoryPool:
         self.target[rows] = batch["input_ids"]
         self.maskable[rows] = batch["maskable"]
         self.loss_mask[rows] = batch["maskable"] if self.pad_in_loss else batch["loss_mask"]
+        self.lengths[rows] = batch["loss_mask"].long().cumsum(-1).argmax(-1) + 1
+        if self.pad_in_loss:  # padding is content here: the canvas keeps its full length
+            self.lengths[rows] = self.length
         revealed, stage = self.construction.start(batch["maskable"], self.generator, spread=spread)
         self.revealed[rows] = revealed
         self.stage[rows] = stage
@@ -170,18 +174,22 @@ class TrajectoryPool:
         self.refill(torch.arange(self.size), spread=True)
 
     def advance(self, rows: torch.Tensor, confidence: torch.Tensor, predicted: torch.Tensor | None = None,
-                keep_truth: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """One step for `rows` that are not done: select positions, commit them (the ground truth, or `predicted`
-        where `keep_truth` is False: student forcing), update stage and retirement. Returns (reveal [n, L],
-        retired-now [n])."""
+                keep_truth: torch.Tensor | None = None, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One step for `rows` that are not done: select positions among the first `width` (default: all; the
+        inputs may be that narrow), commit them (the ground truth, or `predicted` where `keep_truth` is False:
+        student forcing), update stage and retirement. Returns (reveal [n, L], retired-now [n])."""
+        width = width or self.length
         active = ~self.done[rows]
-        masked = self.masked(rows) & active[:, None]
-        reveal, retire, stage = self.construction.step(confidence, masked, self.maskable[rows], self.revealed[rows],
-                                                       self.stage[rows], self.loss_mask[rows], self.generator)
+        inside = torch.arange(self.length) < width
+        masked = self.masked(rows) & active[:, None] & inside
+        maskable = self.maskable[rows] & inside
+        reveal, retire, stage = self.construction.step(_widen(confidence, self.length), masked, maskable,
+                                                       self.revealed[rows] & inside, self.stage[rows],
+                                                       self.loss_mask[rows], self.generator)
         reveal &= masked
         values = self.target[rows]
         if predicted is not None and keep_truth is not None:
-            values = torch.where(keep_truth, values, predicted)
+            values = torch.where(_widen(keep_truth, self.length, True), values, _widen(predicted, self.length))
         self.canvas[rows] = torch.where(reveal, values, self.canvas[rows])
         self.revealed[rows] |= reveal
         self.stage[rows] = torch.where(active, stage, self.stage[rows])
@@ -193,13 +201,13 @@ class TrajectoryPool:
     # ---- persistence ------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         state = {k: getattr(self, k).clone() for k in ("target", "canvas", "maskable", "loss_mask", "revealed",
-                                                           "steps", "stage", "done")}
+                                                           "steps", "stage", "done", "lengths")}
         state["carry"] = None if self.carry is None else self.carry.clone()
         state["samples_started"] = self.samples_started
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        for k in ("target", "canvas", "maskable", "loss_mask", "revealed", "steps", "stage", "done"):
+        for k in ("target", "canvas", "maskable", "loss_mask", "revealed", "steps", "stage", "done", "lengths"):
             if state[k].shape != getattr(self, k).shape:
                 raise ValueError(f"trajectory pool state {k!r} has shape {tuple(state[k].shape)}, expected "
                                  f"{tuple(getattr(self, k).shape)} (did the batch size or canvas length change?)")
@@ -208,3 +216,12 @@ class TrajectoryPool:
             raise ValueError("trajectory pool state and recipe disagree on the carry")
         self.carry = None if state["carry"] is None else state["carry"].clone()
         self.samples_started = state["samples_started"]
+
+
+def _widen(x: torch.Tensor, length: int, fill=0) -> torch.Tensor:
+    """Right-pad the last dimension of [n, w] to `length` with `fill`."""
+    if x.shape[-1] == length:
+        return x
+    out = torch.full((*x.shape[:-1], length), fill, dtype=x.dtype)
+    out[..., : x.shape[-1]] = x
+    return out

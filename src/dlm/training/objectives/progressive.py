@@ -82,9 +82,11 @@ class ProgressiveObjective:
         chunk = self.micro % n_chunks
         rows = torch.arange(chunk * self.batch_size, (chunk + 1) * self.batch_size)
         device = next(model.parameters()).device
-        attention = torch.ones(len(rows), self.max_length, dtype=torch.long, device=device)
+        # Like a collated batch, the chunk is cut to its longest canvas (padding beyond it is never attended).
+        width = int(pool.lengths[rows].max())
+        attention = torch.ones(len(rows), width, dtype=torch.long, device=device)
         embed = _embedding(model)
-        carry = pool.carry[rows].to(device) if pool.carry is not None else None
+        carry = pool.carry[rows, :width].to(device) if pool.carry is not None else None
         delta = None  # bridge: gradient-carrying zero added to the embeddings of committed positions
         total = torch.zeros((), device=device)
         passes, metrics = 0, {"masked_fraction": 0.0, "revealed_per_step": 0.0, "active_fraction": 0.0}
@@ -92,20 +94,20 @@ class ProgressiveObjective:
         eps = (student_forcing_ratio(self.updates, cfg.student_forcing_k, cfg.student_forcing_floor,
                                      cfg.student_forcing_warmup) if cfg.student_forcing_k else 1.0)
         for _ in range(cfg.window):
-            masked = pool.masked(rows) & ~pool.done[rows][:, None]
-            in_loss = (masked & pool.loss_mask[rows]).to(device)
+            masked = (pool.masked(rows) & ~pool.done[rows][:, None])[:, :width]
+            in_loss = (masked & pool.loss_mask[rows, :width]).to(device)
             active = in_loss.any(-1)
             if not bool(active.any()):
                 break
-            ids = pool.canvas[rows].to(device)
-            targets = pool.target[rows].to(device)
+            ids = pool.canvas[rows, :width].to(device)
+            targets = pool.target[rows, :width].to(device)
             carry_in = carry
             if carry_in is not None and cfg.carry_dropout < 1.0:
                 keep = (torch.rand(len(rows), generator=self.generator) < cfg.carry_dropout).to(device)
                 carry_in = carry_in * keep[:, None, None].to(carry_in.dtype)
             gumbel = None
             if cfg.bridge == "gumbel":
-                u = torch.rand(len(rows), self.max_length, embed.weight.shape[0], generator=self.generator)
+                u = torch.rand(len(rows), width, embed.weight.shape[0], generator=self.generator)
                 gumbel = (-torch.log(-torch.log(u.clamp(1e-10, 1 - 1e-7)))).to(device)
             run = _Pass(model, embed, attention, targets, cfg.bridge, cfg.gumbel_temperature, gumbel)
             args = (ids, carry_in, delta)
@@ -116,11 +118,11 @@ class ProgressiveObjective:
             # Selection and commit (no gradient through the policy, Algorithm 1 line 9).
             keep_truth = None
             if eps < 1.0:
-                keep_truth = (torch.rand(len(rows), self.max_length, generator=self.generator) < eps)
-            reveal, _ = pool.advance(rows, conf.detach().cpu(), token.detach().cpu(), keep_truth)
-            reveal = reveal.to(device)
+                keep_truth = (torch.rand(len(rows), width, generator=self.generator) < eps)
+            reveal, _ = pool.advance(rows, conf.detach().cpu(), token.detach().cpu(), keep_truth, width)
+            reveal = reveal[:, :width].to(device)
             # Loss of this pass.
-            t = in_loss.sum(-1).float() / pool.loss_mask[rows].to(device).sum(-1).clamp(min=1).float()
+            t = in_loss.sum(-1).float() / pool.loss_mask[rows, :width].to(device).sum(-1).clamp(min=1).float()
             weight = torch.where(active, loss_weight(t.clamp(min=1e-6), self.weight_cap), 0.0)
             if cfg.balance_lambda is not None:
                 lam = cfg.balance_lambda
@@ -153,7 +155,9 @@ class ProgressiveObjective:
         loss = total / max(passes, 1)
         # Window boundary: detach and store the carry, refill the retired trajectories.
         if pool.carry is not None and carry is not None:
-            pool.carry[rows] = carry.detach().float().cpu()
+            stored = torch.zeros(len(rows), pool.length, carry.shape[-1])
+            stored[:, :width] = carry.detach().float().cpu()
+            pool.carry[rows] = stored
         retired = rows[pool.done[rows]]
         pool.refill(retired)
         self.micro += 1
