@@ -7,7 +7,7 @@ every u on the same test problems; results go to a JSON table and two plots.
         --data runs/calib-ar-medium/data --steps 200 --arms pu,mdm,w1,w2,mdm2,w4 --u 2,8,4,16,1 --n 100 \\
         --json docs/results/pumba-tinymath.json --plot docs/results/pumba-tinymath.png
 
-Arms: ar (AR continuation of --ar-start), mdm, mdm2 (MDM ×2 updates), pu, w1, w2, w4, w8 (PU + carry, BPTT window W).
+Arms: warm (the warm start itself, evaluated only), ar (AR continuation of --ar-start), mdm, mdm2 (MDM ×2 updates), pu, w1, w2, w4, w8 (PU + carry, BPTT window W).
 """
 
 from __future__ import annotations
@@ -18,10 +18,13 @@ import time
 from pathlib import Path
 
 ARMS = {
+    "warm": (None, 0, "warm start (0 updates)"),
     "ar": ("recipes/tinymath/ar.yaml", 1, "AR"),
     "mdm": ("recipes/tinymath/mdm.yaml", 1, "MDM"),
     "mdm2": ("recipes/tinymath/mdm.yaml", 2, "MDM ×2"),
     "pu": ("recipes/tinymath/pu.yaml", 1, "PU"),
+    # PU trained before passes were cut to the batch's longest canvas: every row padded to 144 tokens, all attended
+    "pu-fullwidth": ("recipes/tinymath/pu.yaml", 1, "PU (canvas padded to 144)"),
     "w1": ("recipes/tinymath/pumba-w1.yaml", 1, "PU + carry, W=1"),
     "w2": ("recipes/tinymath/pumba-w2.yaml", 1, "PU + carry, W=2"),
     "w4": ("recipes/tinymath/pumba-w4.yaml", 1, "PU + carry, W=4"),
@@ -61,6 +64,8 @@ def main() -> None:
     # Phase 1: train every arm (each ends with a top-u, u=2 evaluation of the first --n test problems).
     for arm in arms:
         recipe_path, mult, label = ARMS[arm]
+        if recipe_path is None:
+            continue
         run = out / arm
         ar = arm == "ar"
         init = (args.ar_start or _init_of(args.warm_start)) if ar else args.warm_start
@@ -78,7 +83,7 @@ def main() -> None:
     for u in us:
         for arm in arms:
             _, _, label = ARMS[arm]
-            run = out / arm
+            run = Path(args.warm_start) if arm == "warm" else out / arm
             if (arm, u) in done or (arm == "ar" and u != us[0]):
                 continue
             final = json.loads((run / "eval.json").read_text()) if (run / "eval.json").is_file() else None
