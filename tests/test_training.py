@@ -65,7 +65,8 @@ def test_resume_after_crash_during_checkpoint_equals_uninterrupted(tmp_path, obj
     assert len(reference) == 12
 
     # Crash (os._exit) while writing the step-8 checkpoint, in a separate process.
-    code = (f"from tests.test_training import small_recipe; from dlm.training.loop import train; "
+    code = (f"import torch; torch.set_num_threads({torch.get_num_threads()}); "  # same float reductions as here
+            f"from tests.test_training import small_recipe; from dlm.training.loop import train; "
             f"train(small_recipe({str(tmp_path / 'crash')!r}, {str(data)!r}, *{extra!r}), progress=False)")
     env = {**os.environ, "DLM_FAULT_AT_CHECKPOINT": "8"}
     proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=os.path.dirname(os.path.dirname(__file__)),
