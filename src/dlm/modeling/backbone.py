@@ -148,13 +148,25 @@ class DiffusionLM(nn.Module):
         spec = ModelSpec.load(directory) if ModelSpec.exists(directory) else ModelSpec()
         backbone = load_backbone(directory, dtype=dtype)
         if spec.carry:
-            from dlm.modeling.carry import CARRY_MODULE, attach_carry, read_tensors
+            from dlm.modeling.carry import CARRY_MODULE, attach_carry
 
-            if not read_tensors(directory, f"{CARRY_MODULE}."):
+            if find_tensor(directory, f"{CARRY_MODULE}.weight") is None:
                 raise FileNotFoundError(f"{directory}: dlm.json says the model has a carry but no {CARRY_MODULE} "
                                         f"weights were found in its safetensors")
             attach_carry(backbone, directory)
         return cls(backbone, spec)
+
+
+def find_tensor(directory: str | Path, key: str) -> torch.Tensor | None:
+    """The tensor named `key` in the safetensors files of a model directory, or None (extra dlm modules that live
+    on the backbone: carry LayerNorm, timestep embedding, reward head)."""
+    from safetensors import safe_open
+
+    for f in sorted(Path(directory).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            if key in st.keys():
+                return st.get_tensor(key)
+    return None
 
 
 def resolve_model_dir(path: str | Path) -> Path:

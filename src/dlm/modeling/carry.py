@@ -44,23 +44,14 @@ def attach_carry(backbone: nn.Module, source: str | Path | None = None) -> nn.La
         backbone.add_module(CARRY_MODULE, new_carry_norm(backbone.config.hidden_size, eps, weight.device, weight.dtype))
     norm = getattr(backbone, CARRY_MODULE)
     if source is not None:
-        saved = read_tensors(Path(source), f"{CARRY_MODULE}.")
-        if saved:
+        from dlm.modeling.backbone import find_tensor
+
+        weight, bias = (find_tensor(source, f"{CARRY_MODULE}.{n}") for n in ("weight", "bias"))
+        if weight is not None and bias is not None:
             with torch.no_grad():
-                norm.weight.copy_(saved[f"{CARRY_MODULE}.weight"])
-                norm.bias.copy_(saved[f"{CARRY_MODULE}.bias"])
+                norm.weight.copy_(weight)
+                norm.bias.copy_(bias)
     return norm
-
-
-def read_tensors(directory: Path, prefix: str) -> dict[str, torch.Tensor]:
-    """Every tensor whose name starts with `prefix` in the safetensors files of `directory`."""
-    from safetensors import safe_open
-
-    found = {}
-    for f in sorted(directory.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as st:
-            found.update({k: st.get_tensor(k) for k in st.keys() if k.startswith(prefix)})
-    return found
 
 
 def carry_input(norm: nn.LayerNorm, carry: torch.Tensor, input_ids: torch.Tensor, mask_token_id: int | None,

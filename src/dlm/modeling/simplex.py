@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from transformers.utils import logging as hf_logging
 
-from dlm.modeling.backbone import DiffusionLM, load_backbone
+from dlm.modeling.backbone import DiffusionLM, find_tensor as _find_tensor, load_backbone
 from dlm.modeling.spec import ModelSpec
 
 TIMESTEP_EMBEDDING = "dlm_timestep_embedding"
@@ -37,16 +37,6 @@ def add_timestep_embedding(model: DiffusionLM, source: str | Path | None = None)
             with torch.no_grad():
                 getattr(backbone, TIMESTEP_EMBEDDING).weight.copy_(saved)
     return model
-
-
-def _find_tensor(directory: Path, key: str) -> torch.Tensor | None:
-    from safetensors import safe_open
-
-    for f in sorted(directory.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as st:
-            if key in st.keys():
-                return st.get_tensor(key)
-    return None
 
 
 def load_simplex_lm(directory: str | Path, dtype: torch.dtype | None = None) -> DiffusionLM:
