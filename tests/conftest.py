@@ -28,3 +28,12 @@ def tiny_model(vocab: int, attention: str = "causal", family: str = "autoregress
     torch.manual_seed(seed)
     backbone = build_backbone(arch, "nano", vocab, 128, attention)
     return DiffusionLM(backbone, ModelSpec(family=family, attention=attention, label_shift=label_shift)).eval()
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models are latency-bound: one torch thread is faster, and much faster when the 2 cores are shared."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -9,12 +9,7 @@ import torch
 from dlm.sampling.guidance import check_compatible, reward_guidance, reward_of_logits
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: latency-bound on 1 thread
 
 
 def reward_model(vocab=40, seed=1):

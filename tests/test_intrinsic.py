@@ -11,12 +11,7 @@ import torch
 from dlm.evaluation.intrinsic import distinct_n, mauve_score, unigram_entropy
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: latency-bound on 1 thread
 
 
 def test_distinct_n_and_entropy_hand_cases():

@@ -12,13 +12,7 @@ POLICIES = (("top_u", dict(reveal_count=2)), ("threshold", dict(confidence_thres
             ("top_u_or_threshold", dict(reveal_count=2, confidence_threshold=0.7)))
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run much faster on one thread when the machine is busy."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: latency-bound on 1 thread
 
 
 def _model(label_shift=False, seed=1):

@@ -21,12 +21,7 @@ PAD, EOS, MASK, VOCAB = 0, 1, 2, 40
 G = torch.Generator
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: latency-bound on 1 thread
 
 
 # ---- constructions ----------------------------------------------------------------------------------------------

@@ -10,12 +10,7 @@ import torch
 from dlm.modeling.reward import bradley_terry_loss, last_token_index
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # nano models are latency-bound; the 2 cores are shared
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: latency-bound on 1 thread
 
 
 def test_bradley_terry_hand_cases():

@@ -11,12 +11,7 @@ from dlm.config import load_recipe
 from dlm.training.loop import train
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # nano models: latency-bound, and the test machine's 2 cores are shared
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: latency-bound on 1 thread
 
 
 def recipe(out_dir, data_dir, *extra):

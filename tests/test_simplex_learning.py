@@ -11,19 +11,9 @@ from dlm.sampling import generate
 from dlm.training.loop import Trainer
 from dlm.training.objectives.simplex import SimplexObjective
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 STEPS = 100
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """A model this small is latency-bound: one thread is as fast on an idle machine and far faster on a shared one
-    (two OpenMP threads wait on each other's time slices)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def heldout_loss(trainer, batches) -> float:
