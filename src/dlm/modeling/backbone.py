@@ -108,8 +108,10 @@ class DiffusionLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 carry: torch.Tensor | None = None, return_hidden: bool = False,
-                embeds_delta: torch.Tensor | None = None, **kwargs):
+                embeds_delta: torch.Tensor | None = None, align: bool = True, **kwargs):
         """Logits [B, L, V]; with `return_hidden`, (logits, last hidden state after the final norm [B, L, d]).
+        `align=False` returns the raw outputs (index i = output at position i) for layouts that map predictions to
+        tokens themselves (block diffusion, `dlm.modeling.blocks`).
         `carry` [B, L, d] is the previous step's hidden state (PUMBA Eq. 3.1; needs a model built with a carry);
         `embeds_delta` [B, L, d] is added to the token embeddings (gradient paths of the discrete bridges)."""
         if carry is None and not return_hidden and embeds_delta is None:
@@ -129,7 +131,7 @@ class DiffusionLM(nn.Module):
                 embeds = embeds + embeds_delta.to(embeds.dtype)
             hidden = self.backbone.base_model(inputs_embeds=embeds, attention_mask=attention_mask, **kwargs).last_hidden_state
             logits = self.backbone.get_output_embeddings()(hidden)
-        if self.spec.family != "autoregressive":
+        if self.spec.family != "autoregressive" and align:
             logits = align_logits(logits, self.spec.label_shift)
         return (logits, hidden) if return_hidden else logits
 
