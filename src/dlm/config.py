@@ -19,10 +19,19 @@ class ModelConfig(_Strict):
     preset: str = "small"
     init_from: str | None = Field(None, description="local HF checkpoint or dlm run/model dir to start from")
     attention: Literal["causal", "bidirectional", "block_causal"] = "causal"
+    block_size: int | None = Field(None, gt=0, description="block diffusion: tokens per block (block_causal "
+                                   "attention; 32 in PUMBA §4.2)")
     label_shift: bool = False
     tokenizer: str = Field("builtin", description="'builtin' trains a byte-level BPE on the data; else a local HF tokenizer path")
     vocab_size: int = Field(1024, gt=16, description="size of the built-in BPE")
-    max_length: int = Field(256, gt=8, description="canvas length: prompt + response + EOS")
+    max_length: int = Field(256, gt=8, description="canvas length: prompt + response + EOS (block diffusion: "
+                            "the response rounded up to whole blocks)")
+
+    @model_validator(mode="after")
+    def _blocks(self):
+        if (self.attention == "block_causal") != (self.block_size is not None):
+            raise ValueError("model.block_size is required with attention: block_causal, and only with it")
+        return self
 
 
 class DataConfig(_Strict):
@@ -176,6 +185,26 @@ class Recipe(_Strict):
     progressive: ProgressiveConfig = ProgressiveConfig()
     simplex: SimplexConfig = SimplexConfig()
     eval: EvalConfig = EvalConfig()
+
+
+    @model_validator(mode="after")
+    def _block_recipes(self):
+        m, p = self.model, self.progressive
+        if m.attention != "block_causal":
+            return self
+        if self.train.objective not in ("mdm", "pu"):
+            raise ValueError(f"block_causal attention trains with objective mdm or pu, not {self.train.objective!r}")
+        if self.train.objective == "pu":
+            if p.construction != "threshold":
+                raise ValueError("block PUMBA uses the threshold construction (progressive.construction: threshold)")
+            steps = -(-m.block_size // p.reveal_count)
+            if p.window > steps:
+                raise ValueError(f"progressive.window {p.window} exceeds the ceil(block_size / reveal_count) = "
+                                 f"ceil({m.block_size}/{p.reveal_count}) = {steps} steps a block lasts (PUMBA §4.2)")
+            if p.bridge != "none" or p.pool_factor != 1 or p.random_initial_masking or p.pad_in_loss:
+                raise ValueError("block PUMBA supports the carry and BPTT, not bridges, pool_factor, random initial "
+                                 "masking or pad_in_loss")
+        return self
 
 
 class RecipeError(ValueError):

@@ -19,15 +19,30 @@ class Example:
     response_ids: list[int]  # without EOS
 
 
-def make_example(prompt_ids: Sequence[int], response_ids: Sequence[int], max_length: int, min_prompt: int = 1) -> Example:
-    """Reserve response + EOS first, then left-truncate the prompt into what remains."""
+def make_example(prompt_ids: Sequence[int], response_ids: Sequence[int], max_length: int, min_prompt: int = 1,
+                 block_size: int | None = None) -> Example:
+    """Reserve response + EOS first (rounded up to whole blocks with EOS filler under block diffusion), then
+    left-truncate the prompt into what remains."""
     response = list(response_ids)[: max_length - 1 - min_prompt]
-    room = max_length - len(response) - 1
+    if block_size:
+        room_blocks = (max_length - min_prompt) // block_size
+        if room_blocks < 1:
+            raise ValueError(f"max_length {max_length} leaves no room for one block of {block_size}")
+        response = response[: room_blocks * block_size - 1]
+    reserved = response_span(len(response), block_size)
+    room = max_length - reserved
     prompt = list(prompt_ids)[-room:] if room > 0 else []
     return Example(prompt, response)
 
 
-def collate(examples: Sequence[Example], eos_id: int, pad_id: int, pad_to: int | None = None) -> dict[str, torch.Tensor]:
+def response_span(response_len: int, block_size: int | None = None) -> int:
+    """Positions a response of `response_len` tokens occupies: itself and its EOS, rounded up to whole blocks."""
+    n = response_len + 1
+    return -(-n // block_size) * block_size if block_size else n
+
+
+def collate(examples: Sequence[Example], eos_id: int, pad_id: int, pad_to: int | None = None,
+            block_size: int | None = None) -> dict[str, torch.Tensor]:
     """Right-padded batch with the masks every objective reads.
 
     input_ids      [B, L]  prompt, response, EOS, then `pad_id`
@@ -35,7 +50,12 @@ def collate(examples: Sequence[Example], eos_id: int, pad_id: int, pad_to: int |
     maskable       [B, L]  response, EOS and padding (never the prompt)
     loss_mask      [B, L]  response and its first EOS
     prompt_len     [B]
+
+    With `block_size` (block diffusion, App. B.4.1) the response is followed by EOS up to the edge of its last block;
+    that filler is maskable and in the loss, and the padding beyond is neither maskable nor attended.
     """
+    if block_size:
+        return _collate_blocks(examples, eos_id, pad_id, pad_to, block_size)
     lengths = [len(e.prompt_ids) + len(e.response_ids) + 1 for e in examples]
     L = max(max(lengths), pad_to or 0)
     B = len(examples)
@@ -58,6 +78,26 @@ def collate(examples: Sequence[Example], eos_id: int, pad_id: int, pad_to: int |
         "loss_mask": loss_mask,
         "prompt_len": prompt_len,
     }
+
+
+def _collate_blocks(examples, eos_id, pad_id, pad_to, block_size):
+    spans = [response_span(len(e.response_ids), block_size) for e in examples]
+    L = max(max(len(e.prompt_ids) + n for e, n in zip(examples, spans)), pad_to or 0)
+    B = len(examples)
+    input_ids = torch.full((B, L), pad_id, dtype=torch.long)
+    attention = torch.zeros(B, L, dtype=torch.long)
+    region = torch.zeros(B, L, dtype=torch.bool)
+    prompt_len = torch.empty(B, dtype=torch.long)
+    for i, (e, n) in enumerate(zip(examples, spans)):
+        p, r = len(e.prompt_ids), len(e.response_ids)
+        input_ids[i, :p] = torch.tensor(e.prompt_ids, dtype=torch.long)
+        input_ids[i, p : p + r] = torch.tensor(e.response_ids, dtype=torch.long)
+        input_ids[i, p + r : p + n] = eos_id
+        attention[i, : p + n] = 1
+        region[i, p : p + n] = True
+        prompt_len[i] = p
+    return {"input_ids": input_ids, "attention_mask": attention, "maskable": region, "loss_mask": region.clone(),
+            "prompt_len": prompt_len}
 
 
 def pack_documents(docs_ids: Sequence[Sequence[int]], seq_len: int, eos_id: int) -> torch.Tensor:

@@ -50,9 +50,12 @@ def build_tokenizer(cfg: ModelConfig, train_records: Sequence[dict], cache_dir: 
     return load_tokenizer(cfg.tokenizer)
 
 
-def encode_examples(tok, records: Sequence[dict], max_length: int) -> tuple[list, Callable]:
-    """Training examples and the collate function that batches them: prompt/response canvases, or packed rows of
-    `max_length` tokens for plain text (pretraining-style objectives)."""
+def encode_examples(tok, records: Sequence[dict], max_length: int, block_size: int | None = None) -> tuple[list, Callable]:
+    """Training examples and the collate function that batches them: prompt/response canvases (responses rounded up
+    to whole blocks with `block_size`), or packed rows of `max_length` tokens for plain text (pretraining-style
+    objectives)."""
+    if block_size and records and ("text" in records[0] or "rejected" in records[0]):
+        raise ValueError("block diffusion trains on prompt/response records (not plain text or preference pairs)")
     if records and "text" in records[0]:
         docs = [tok(r["text"], add_special_tokens=False)["input_ids"] for r in records]
         return list(pack_documents(docs, max_length, tok.eos_token_id)), collate_packed
@@ -60,8 +63,9 @@ def encode_examples(tok, records: Sequence[dict], max_length: int) -> tuple[list
         pairs = [(make_example(*encode_pair(tok, r["prompt"], r["response"]), max_length),
                   make_example(*encode_pair(tok, r["prompt"], r["rejected"]), max_length)) for r in records]
         return pairs, partial(collate_pairs, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
-    examples = [make_example(*encode_pair(tok, r["prompt"], r["response"]), max_length) for r in records]
-    return examples, partial(collate, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
+    examples = [make_example(*encode_pair(tok, r["prompt"], r["response"]), max_length, block_size=block_size)
+                for r in records]
+    return examples, partial(collate, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, block_size=block_size)
 
 
 class BatchStream:

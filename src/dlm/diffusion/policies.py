@@ -19,19 +19,30 @@ def confidences(logits: torch.Tensor, mask_token_id: int) -> tuple[torch.Tensor,
     return top.exp(), token, log_probs
 
 
-def confidence_rank(confidence: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
-    """Rank of each masked position by (-confidence, position) within its row; non-masked positions rank last."""
+def confidence_rank(confidence: torch.Tensor, masked: torch.Tensor, group: torch.Tensor | None = None) -> torch.Tensor:
+    """Rank of each masked position by (-confidence, position) within its row, or within its group of the row when
+    `group` [B, L] (int) is given (block diffusion: each block ranks its own positions); non-masked positions rank
+    after the masked ones of their group."""
     key = torch.where(masked, -confidence.float(), float("inf"))
     order = torch.sort(key, dim=-1, stable=True).indices
     positions = torch.arange(key.shape[-1], device=key.device).expand_as(order)
-    return torch.empty_like(order).scatter_(-1, order, positions)
+    if group is None:
+        return torch.empty_like(order).scatter_(-1, order, positions)
+    # a stable sort by group keeps the confidence order inside each group
+    order = order.gather(-1, torch.sort(group.gather(-1, order), dim=-1, stable=True).indices)
+    sorted_group = group.gather(-1, order)
+    new_group = torch.ones_like(sorted_group, dtype=torch.bool)
+    new_group[..., 1:] = sorted_group[..., 1:] != sorted_group[..., :-1]
+    start = torch.where(new_group, positions, 0).cummax(-1).values
+    return torch.empty_like(order).scatter_(-1, order, positions - start)
 
 
-def top_u(confidence: torch.Tensor, masked: torch.Tensor, u: int) -> torch.Tensor:
-    """Top-u (PUMBA §2, Chang et al. 2022): the u most confident masked positions per row, all if fewer remain."""
+def top_u(confidence: torch.Tensor, masked: torch.Tensor, u: int, group: torch.Tensor | None = None) -> torch.Tensor:
+    """Top-u (PUMBA §2, Chang et al. 2022): the u most confident masked positions per row (per group of a row when
+    `group` is given), all if fewer remain."""
     if not isinstance(u, torch.Tensor) and u < 1:
         raise ValueError(f"u must be >= 1, got {u}")
-    return masked & (confidence_rank(confidence, masked) < u)
+    return masked & (confidence_rank(confidence, masked, group) < u)
 
 
 def threshold(confidence: torch.Tensor, masked: torch.Tensor, tau: float) -> torch.Tensor:
@@ -41,6 +52,8 @@ def threshold(confidence: torch.Tensor, masked: torch.Tensor, tau: float) -> tor
     return above | (fallback & top_u(confidence, masked, 1))
 
 
-def top_u_or_threshold(confidence: torch.Tensor, masked: torch.Tensor, u: int, tau: float) -> torch.Tensor:
-    """PU training rule (PUMBA §B.2, Table 3): the top-u positions plus every other masked position with c_i >= tau."""
-    return top_u(confidence, masked, u) | (masked & (confidence >= tau))
+def top_u_or_threshold(confidence: torch.Tensor, masked: torch.Tensor, u: int, tau: float,
+                       group: torch.Tensor | None = None) -> torch.Tensor:
+    """PU training rule (PUMBA §B.2, Table 3): the top-u positions (of each group, if given) plus every other masked
+    position with c_i >= tau."""
+    return top_u(confidence, masked, u, group) | (masked & (confidence >= tau))

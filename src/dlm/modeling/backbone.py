@@ -108,9 +108,11 @@ class DiffusionLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 carry: torch.Tensor | None = None, return_hidden: bool = False,
-                embeds_delta: torch.Tensor | None = None, align: bool = True, **kwargs):
+                embeds_delta: torch.Tensor | None = None, align: bool = True,
+                carry_mask: torch.Tensor | None = None, **kwargs):
         """Logits [B, L, V]; with `return_hidden`, (logits, last hidden state after the final norm [B, L, d]).
-        `align=False` returns the raw outputs (index i = output at position i) for layouts that map predictions to
+        `carry_mask` [B, L] marks the positions whose carry is passed on (default: the 2-D attention mask; block
+        layouts pass only the noised block). `align=False` returns the raw outputs (index i = output at position i) for layouts that map predictions to
         tokens themselves (block diffusion, `dlm.modeling.blocks`).
         `carry` [B, L, d] is the previous step's hidden state (PUMBA Eq. 3.1; needs a model built with a carry);
         `embeds_delta` [B, L, d] is added to the token embeddings (gradient paths of the discrete bridges)."""
@@ -124,8 +126,11 @@ class DiffusionLM(nn.Module):
                     raise ValueError("this model has no carry layer (build it with a carry: spec.carry / masked.carry)")
                 from dlm.modeling.carry import CARRY_MODULE, carry_input
 
+                padding = carry_mask
+                if padding is None and attention_mask is not None and attention_mask.ndim == 2:
+                    padding = attention_mask
                 added = carry_input(getattr(self.backbone, CARRY_MODULE), carry, input_ids, self.spec.mask_token_id,
-                                    self.spec.label_shift, self.spec.carry_positions, attention_mask)
+                                    self.spec.label_shift, self.spec.carry_positions, padding)
                 embeds = embeds + added.to(embeds.dtype)
             if embeds_delta is not None:
                 embeds = embeds + embeds_delta.to(embeds.dtype)

@@ -53,7 +53,8 @@ def build_model(recipe: Recipe, tok) -> DiffusionLM:
         backbone = build_backbone(cfg.arch, cfg.preset, len(tok), cfg.max_length, attention,
                                   pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
     spec = ModelSpec(family=family, attention=attention, label_shift=cfg.label_shift, mask_token_id=tok.mask_token_id,
-                     eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+                     eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                     block_size=cfg.block_size if attention == "block_causal" else None)
     if recipe.train.objective == "pu" and recipe.progressive.carry:  # PUMBA Eq. 3.1: zero-initialised carry layer
         from dlm.modeling.carry import attach_carry
 
@@ -100,7 +101,8 @@ class Trainer:
         with self.acc.main_process_first():  # rank 0 writes the data and the tokenizer cache, the others read them
             self.splits = load_splits(recipe.data, self.run_dir / "data")
             self.tok = resolve_tokenizer(recipe, self.splits["train"], self.run_dir)
-        examples, coll = encode_examples(self.tok, self.splits["train"], recipe.model.max_length)
+        block = recipe.model.block_size if recipe.model.attention == "block_causal" else None
+        examples, coll = encode_examples(self.tok, self.splits["train"], recipe.model.max_length, block)
         self.stream = BatchStream(examples, tc.batch_size, coll, seed=tc.seed,
                                   rank=self.acc.process_index, world_size=self.acc.num_processes)
 

@@ -36,10 +36,14 @@ class ThresholdConstruction:
 
     name = "threshold"
 
-    def __init__(self, reveal_count: int, threshold: float | None, random_initial_masking: bool = False):
+    def __init__(self, reveal_count: int, threshold: float | None, random_initial_masking: bool = False,
+                 block_size: int | None = None):
         if reveal_count < 1:
             raise ValueError(f"reveal_count must be >= 1, got {reveal_count}")
         self.u, self.tau, self.random_start = reveal_count, threshold, random_initial_masking
+        # Block PUMBA (§4.2, App. B.4.2): every response block is its own trajectory and takes its own top-u, so all
+        # blocks of a sample advance in lockstep and each is done after at most ceil(block_size / u) steps.
+        self.block_size = block_size
 
     def start(self, maskable: torch.Tensor, generator: torch.Generator, spread: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(revealed [n, L], stage [n]): fully masked; with random initial masking (PU+, App. F.6.1) a uniformly
@@ -51,10 +55,15 @@ class ThresholdConstruction:
 
     def step(self, confidence, masked, maskable, revealed, stage, loss_mask, generator):
         """(reveal [n, L], retire [n], new stage [n])."""
+        group = None
+        if self.block_size:
+            from dlm.training.objectives.block_mdm import response_blocks
+
+            group = response_blocks(maskable, self.block_size)
         if self.tau is None:
-            reveal = policies.top_u(confidence, masked, self.u)
+            reveal = policies.top_u(confidence, masked, self.u, group)
         else:
-            reveal = policies.top_u_or_threshold(confidence, masked, self.u, self.tau)
+            reveal = policies.top_u_or_threshold(confidence, masked, self.u, self.tau, group)
         still = masked & ~reveal
         retire = ~(still & loss_mask).any(-1)  # the response and its first EOS are revealed
         return reveal, retire, stage

@@ -27,6 +27,11 @@ def build_objective(name: str, recipe, mask_token_id: int | None = None, rank: i
         if mask_token_id is None:
             raise ValueError("the mdm objective needs a tokenizer with a mask token")
         m = recipe.masked
+        if recipe.model.attention == "block_causal":  # vectorised block MDM (PUMBA App. B.4.1)
+            from dlm.training.objectives.block_mdm import BlockMDMObjective
+
+            return BlockMDMObjective(mask_token_id, recipe.model.block_size, recipe.train.seed, rank, m.weight_cap,
+                                     m.z_loss)
         return MDMObjective(mask_token_id, recipe.train.seed, rank, m.weight_cap, m.z_loss)
     if name == "pu":
         from dlm.training.objectives.progressive import ProgressiveObjective
@@ -34,8 +39,9 @@ def build_objective(name: str, recipe, mask_token_id: int | None = None, rank: i
         if mask_token_id is None:
             raise ValueError("the pu objective needs a tokenizer with a mask token")
         t, m = recipe.train, recipe.masked
+        block = recipe.model.block_size if recipe.model.attention == "block_causal" else None
         return ProgressiveObjective(recipe.progressive, mask_token_id, t.seed, rank, t.batch_size, t.grad_accum,
-                                    recipe.model.max_length, m.weight_cap, m.z_loss)
+                                    recipe.model.max_length, m.weight_cap, m.z_loss, block_size=block)
     if name == "simplex":
         from dlm.training.objectives.simplex import SimplexObjective
 

@@ -10,6 +10,10 @@ number of positions in the loss, and rescaled by the fraction of sequences that 
 loss. The window's loss is the mean over its passes. Retired trajectories idle until the window ends and are then
 refilled from the data stream (zero carry).
 
+Block PUMBA (§4.2, App. B.4.2): with a block size, every response block is its own trajectory (its own top-u, its
+own t_k), all blocks of a sample advance in lockstep in one vectorised pass (`dlm.modeling.blocks`), and the carry
+restarts at zero in every block.
+
 Ablations: discrete bridges through the committed tokens at W >= 2 without a carry (§3.2, App. C.2), student forcing
 (App. C.3), PU+ (pool of pool_factor × batch visited in turn, random initial masking, loss balance λ of Eq. F.2,
 App. F.6.1) and the training-time threshold on/off (App. F.7).
@@ -44,8 +48,8 @@ def student_forcing_ratio(update: int, k: float, floor: float, warmup: int) -> f
 
 class ProgressiveObjective:
     def __init__(self, cfg, mask_token_id: int, seed: int, rank: int, batch_size: int, grad_accum: int,
-                 max_length: int, weight_cap: float = 5.0, z_loss: float = 1e-5):
-        self.cfg, self.mask_token_id = cfg, mask_token_id
+                 max_length: int, weight_cap: float = 5.0, z_loss: float = 1e-5, block_size: int | None = None):
+        self.cfg, self.mask_token_id, self.block_size = cfg, mask_token_id, block_size
         self.weight_cap, self.z_loss = weight_cap, z_loss
         self.batch_size, self.grad_accum, self.max_length = batch_size, grad_accum, max_length
         self.generator = torch.Generator().manual_seed(seed * 1_000_003 + rank + 7)
@@ -61,7 +65,7 @@ class ProgressiveObjective:
         c = self.cfg
         if c.construction == "stages":
             return StageConstruction(self.stages, c.threshold)
-        return ThresholdConstruction(c.reveal_count, c.threshold, c.random_initial_masking)
+        return ThresholdConstruction(c.reveal_count, c.threshold, c.random_initial_masking, self.block_size)
 
     def attach(self, stream, collate, carry_dim: int | None) -> None:
         """Bind the data stream the pool refills from (called by the trainer before the first update)."""
@@ -86,6 +90,13 @@ class ProgressiveObjective:
         width = int(pool.lengths[rows].max())
         attention = torch.ones(len(rows), width, dtype=torch.long, device=device)
         embed = _embedding(model)
+        blocks = None  # block PUMBA: (prompt_len, width) of each row for the vectorised layout, block ids
+        if self.block_size:
+            from dlm.training.objectives.block_mdm import response_blocks
+
+            maskable = pool.maskable[rows, :width]
+            blocks = (maskable.int().argmax(-1).to(device), pool.lengths[rows].to(device))
+            group = response_blocks(maskable, self.block_size).to(device)
         carry = pool.carry[rows, :width].to(device) if pool.carry is not None else None
         delta = None  # bridge: gradient-carrying zero added to the embeddings of committed positions
         total = torch.zeros((), device=device)
@@ -109,7 +120,7 @@ class ProgressiveObjective:
             if cfg.bridge == "gumbel":
                 u = torch.rand(len(rows), width, embed.weight.shape[0], generator=self.generator)
                 gumbel = (-torch.log(-torch.log(u.clamp(1e-10, 1 - 1e-7)))).to(device)
-            run = _Pass(model, embed, attention, targets, cfg.bridge, cfg.gumbel_temperature, gumbel)
+            run = _Pass(model, embed, attention, targets, cfg.bridge, cfg.gumbel_temperature, gumbel, blocks)
             args = (ids, carry_in, delta)
             if cfg.activation_checkpointing and torch.is_grad_enabled():
                 ce, lse, conf, token, hidden, soft = checkpoint(run, *args, use_reentrant=False)
@@ -123,14 +134,16 @@ class ProgressiveObjective:
             reveal = reveal[:, :width].to(device)
             # Loss of this pass.
             t = in_loss.sum(-1).float() / pool.loss_mask[rows, :width].to(device).sum(-1).clamp(min=1).float()
-            weight = torch.where(active, loss_weight(t.clamp(min=1e-6), self.weight_cap), 0.0)
+            weight = torch.where(active, loss_weight(t.clamp(min=1e-6), self.weight_cap), 0.0)[:, None]
+            if blocks is not None:  # t_k of each block separately (App. B.4.2)
+                weight = _block_weights(in_loss, pool.loss_mask[rows, :width].to(device), group, self.weight_cap)
             if cfg.balance_lambda is not None:
                 lam = cfg.balance_lambda
                 rev, rest = in_loss & reveal, in_loss & ~reveal
                 part = lambda sel: (ce * sel).sum() / sel.sum().clamp(min=1)  # noqa: E731
                 step_loss = lam * part(rev) + (1 - lam) * part(rest)
             else:
-                step_loss = ((weight[:, None] * ce) * in_loss).sum() / in_loss.sum().clamp(min=1)
+                step_loss = ((weight * ce) * in_loss).sum() / in_loss.sum().clamp(min=1)
             step_loss = step_loss + self.z_loss * (lse.square() * in_loss).sum() / in_loss.sum().clamp(min=1)
             active_fraction = active.float().mean()
             step_loss = step_loss * active_fraction
@@ -207,6 +220,15 @@ class ProgressiveObjective:
             self.pool.load_state_dict(state["pool"])
 
 
+def _block_weights(in_loss: torch.Tensor, loss_mask: torch.Tensor, group: torch.Tensor, cap: float) -> torch.Tensor:
+    """Per-position weight min(1/t_k, cap), t_k the masked fraction of the position's block [B, L]."""
+    n = int(group.max()) + 1
+    masked = torch.zeros(group.shape[0], n, device=group.device).scatter_add_(1, group, in_loss.float())
+    total = torch.zeros(group.shape[0], n, device=group.device).scatter_add_(1, group, loss_mask.float())
+    t = (masked / total.clamp(min=1)).gather(1, group)
+    return torch.where(in_loss, loss_weight(t.clamp(min=1e-6), cap), 0.0)
+
+
 def _embedding(model):
     inner = getattr(model, "module", model)  # DDP-wrapped
     return inner.backbone.get_input_embeddings()
@@ -217,15 +239,20 @@ class _Pass:
     Returns per-position CE against the targets and log-sum-exp [B, L] (fp32), confidence and argmax [B, L] (no
     gradient), the last hidden state [B, L, d], and the soft embedding q·E of the bridges (or None)."""
 
-    def __init__(self, model, embed, attention, targets, bridge, temperature, gumbel):
+    def __init__(self, model, embed, attention, targets, bridge, temperature, gumbel, blocks=None):
         self.model, self.embed, self.attention, self.targets = model, embed, attention, targets
-        self.bridge, self.temperature, self.gumbel = bridge, temperature, gumbel
+        self.bridge, self.temperature, self.gumbel, self.blocks = bridge, temperature, gumbel, blocks
 
     def __call__(self, ids, carry, delta):
-        kwargs = {"carry": carry, "return_hidden": True}
-        if delta is not None:
-            kwargs["embeds_delta"] = delta
-        logits, hidden = self.model(ids, attention_mask=self.attention, **kwargs)
+        if self.blocks is not None:  # block PUMBA: every block's step in one vectorised pass
+            from dlm.modeling.blocks import block_forward
+
+            logits, hidden = block_forward(self.model, ids, self.targets, *self.blocks, carry=carry, return_hidden=True)
+        else:
+            kwargs = {"carry": carry, "return_hidden": True}
+            if delta is not None:
+                kwargs["embeds_delta"] = delta
+            logits, hidden = self.model(ids, attention_mask=self.attention, **kwargs)
         logits = logits.float()
         lse = torch.logsumexp(logits, dim=-1)
         ce = lse - logits.gather(-1, self.targets[..., None]).squeeze(-1)
