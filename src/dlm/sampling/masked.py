@@ -3,6 +3,12 @@
 Policies: top-u (Chang et al. 2022), Fast-dLLM threshold (Wu et al. 2026b) and the PU training rule, on the full
 canvas or block by block, left to right (block diffusion decoding, Arriola et al. 2025). Batched over left-padded
 prompts: every row sees exactly the layout (positions, attended tokens) it would see alone.
+
+Block-causal models (PUMBA §4.2, App. B.4.3) decode block by block under `dlm.modeling.blocks`' mask: the response
+is rounded up to whole blocks; while a row works on block k, earlier blocks are clean and block k and every later
+block are noised (so later blocks are invisible to it). Here every step recomputes the whole canvas (the reference);
+`dlm.sampling.block_cache` computes the same tokens with a KV cache over finished blocks. `cache="prefix"|"dual"`
+selects Fast-dLLM's approximate caches for full-canvas models (also in `block_cache`).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import torch
 
 from dlm.data.canvas import left_pad
 from dlm.diffusion import policies
+from dlm.modeling.blocks import block_causal_mask, canvas_blocks, num_blocks
 
 POLICIES = ("top_u", "threshold", "top_u_or_threshold")
 
@@ -60,6 +67,43 @@ def finished(region: torch.Tensor, eos_id: int, mask_id: int) -> torch.Tensor:
     return first_index(region == mask_id) >= first_index(region == eos_id)
 
 
+def reveal_step(canvas: torch.Tensor, rows, start: int, logits: torch.Tensor, eligible: torch.Tensor, rule,
+                mask_id: int, temperature: float, generator: torch.Generator | None):
+    """One denoising step on canvas[rows, start : start + W] from its logits [R, W, V] (index i predicts position
+    start + i): reveal the positions the rule picks among `eligible` [R, W]. Returns (reveal, confidence) [R, W]."""
+    region = canvas[rows, start : start + logits.shape[1]]
+    confidence, token = candidates(logits, mask_id, temperature, generator)
+    reveal = rule(confidence, eligible)
+    canvas[rows, start : start + logits.shape[1]] = torch.where(reveal, token, region)
+    return reveal, confidence
+
+
+def record_step(trace: list[dict] | None, canvas: torch.Tensor, rows, start: int, reveal: torch.Tensor,
+                confidence: torch.Tensor) -> None:
+    """Append the canvas after a step, and what it revealed with which confidence, to the trace."""
+    if trace is None:
+        return
+    full_reveal = torch.zeros(canvas.shape, dtype=torch.bool, device=canvas.device)
+    full_conf = torch.zeros(canvas.shape, device=canvas.device)
+    W = reveal.shape[1]
+    full_reveal[rows, start : start + W] = reveal
+    full_conf[rows, start : start + W] = torch.where(reveal, confidence, 0.0)
+    trace.append({"canvas": canvas.cpu().clone(), "revealed": full_reveal.cpu(), "confidence": full_conf.cpu()})
+
+
+def block_carry(model, hidden: torch.Tensor, ids: torch.Tensor, in_block: torch.Tensor) -> torch.Tensor:
+    """The carry added to the embeddings in block decoding (PUMBA Eq. 3.1, App. B.4.3): LayerNorm of the current
+    block's hidden states from the previous step (zero at a block's first step), shifted right by one under label
+    shift and kept only inside the current block (`in_block` [B, L]), so the block's first position receives zero
+    with label shift and every position outside the block receives nothing."""
+    from dlm.modeling.carry import CARRY_MODULE, carry_input
+
+    spec, keep = model.spec, in_block.unsqueeze(-1).to(hidden.dtype)
+    added = carry_input(getattr(model.backbone, CARRY_MODULE), hidden * keep, ids, spec.mask_token_id,
+                        spec.label_shift, spec.carry_positions, in_block)
+    return added * keep.to(added.dtype)
+
+
 @torch.no_grad()
 def generate(
     model,
@@ -76,58 +120,100 @@ def generate(
     generator: torch.Generator | None = None,
     return_trace: bool = False,
     reset_carry_per_block: bool = False,
+    kv_cache: bool = True,
+    cache: str | None = None,
 ) -> MaskedGeneration:
     """Reveal `gen_length` masked positions after each prompt until each row is finished (PUMBA §2).
 
     A model with a carry (PUMBA Eq. 3.1) receives the previous step's last hidden state, zero at the first step; on
     the full canvas it passes from step to step and across blocks, and with `reset_carry_per_block` (block diffusion,
-    App. B.4.3) it restarts from zero when a row moves to a new block."""
+    App. B.4.3) it restarts from zero when a row moves to a new block.
+
+    A block-causal model decodes block by block (`block_size` defaults to the model's), its response rounded up to
+    whole blocks; `kv_cache` (default) reuses finished blocks' keys and values, exactly (`block_cache`). `cache`
+    ("prefix" or "dual", full-canvas models with a `block_size`) selects Fast-dLLM's approximate caches."""
     rule = make_rule(policy, reveal_count, confidence_threshold)
+    spec = getattr(model, "spec", None)
+    block_causal = getattr(spec, "attention", None) == "block_causal"
+    uses_carry = bool(getattr(spec, "carry", False))
+    if block_causal:
+        block_size = block_size or spec.block_size
+        if block_size is None:
+            raise ValueError("a block-causal model needs a block_size: pass block_size= or set block_size in its "
+                             "dlm.json")
     if block_size is not None and block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     if mask_id == eos_id:
         raise ValueError("mask_id and eos_id must differ")
+    if cache is not None:
+        if cache not in ("prefix", "dual"):
+            raise ValueError(f"unknown cache {cache!r}; choose prefix or dual (or None for no cache)")
+        if block_causal or block_size is None or uses_carry:
+            raise ValueError("cache='prefix'/'dual' (Fast-dLLM) is for full-canvas models without a carry and needs a "
+                             "block_size; block-causal models use kv_cache instead")
+    if block_causal:
+        gen_length = num_blocks(gen_length, block_size) * block_size
     device = next(model.parameters()).device
     ids, attention = (t.to(device) for t in left_pad(prompts, pad_id))
     B, P = ids.shape
     canvas = torch.cat([ids, torch.full((B, gen_length), mask_id, dtype=torch.long, device=device)], dim=1)
     attention = torch.cat([attention, torch.ones(B, gen_length, dtype=attention.dtype, device=device)], dim=1)
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
-    block_of = torch.arange(gen_length, device=device) // (block_size or max(gen_length, 1))
-    done = finished(canvas[:, P:], eos_id, mask_id)
-    nfe = torch.zeros(B, dtype=torch.long, device=device)
     trace: list[dict] | None = [] if return_trace else None
-    uses_carry = bool(getattr(getattr(model, "spec", None), "carry", False))
-    carry = torch.zeros(B, P + gen_length, model.config.hidden_size, device=device) if uses_carry else None
-    last_block = torch.zeros(B, dtype=torch.long, device=device)
-    while not bool(done.all()):
-        rows = (~done).nonzero().squeeze(1)
-        sub = slice(None) if len(rows) == B else rows  # finished rows are not computed again
-        region = canvas[sub, P:]
-        masked = region == mask_id
-        current = block_of[first_index(masked).clamp(max=gen_length - 1)]  # the first block with a mask
-        if uses_carry:
-            if reset_carry_per_block:
-                carry[sub] = carry[sub] * (current == last_block[sub])[:, None, None].to(carry.dtype)
-                last_block[sub] = current
-            logits, hidden = model(canvas[sub], attention_mask=attention[sub], position_ids=positions[sub],
-                                   carry=carry[sub], return_hidden=True)
-            carry[sub] = hidden.float()
-        else:
-            logits = model(canvas[sub], attention_mask=attention[sub], position_ids=positions[sub])
-        confidence, token = candidates(logits[:, P:], mask_id, temperature, generator)
-        eligible = masked & (block_of[None, :] == current[:, None])
-        reveal = rule(confidence, eligible)
-        canvas[sub, P:] = torch.where(reveal, token, region)
-        nfe[sub] += 1
-        done[sub] = finished(canvas[sub, P:], eos_id, mask_id)
-        if trace is not None:
-            full_reveal = torch.zeros(B, P + gen_length, dtype=torch.bool, device=device)
-            full_conf = torch.zeros(B, P + gen_length, device=device)
-            full_reveal[sub, P:] = reveal
-            full_conf[sub, P:] = torch.where(reveal, confidence, 0.0)
-            trace.append({"canvas": canvas.cpu().clone(), "revealed": full_reveal.cpu(), "confidence": full_conf.cpu()})
+    step = partial(reveal_step, rule=rule, mask_id=mask_id, temperature=temperature, generator=generator)
+    if (block_causal and kv_cache) or cache is not None:
+        from dlm.sampling import block_cache
+
+        run = block_cache.decode_block_causal if block_causal else partial(block_cache.decode_fast_dllm, mode=cache)
+        nfe = run(model, canvas, attention, positions, P, block_size, step, eos_id, mask_id, trace)
+    else:
+        nfe = decode(model, canvas, attention, positions, P, block_size, step, eos_id, mask_id, trace,
+                     block_causal, reset_carry_per_block)
     region = canvas[:, P:]
     cut = first_index(region == eos_id).tolist()
     tokens = [row[:n] for row, n in zip(region.tolist(), cut)]
     return MaskedGeneration(tokens, nfe.tolist(), trace)
+
+
+def decode(model, canvas, attention, positions, P, block_size, step, eos_id, mask_id, trace, block_causal=False,
+           reset_carry_per_block=False) -> torch.Tensor:
+    """Denoise canvas[:, P:] in place, recomputing the whole canvas every step; returns the NFE per row. Each row
+    works on its first block with a mask; a block-causal model sees it through the block-causal mask (the reference
+    for the KV-cached decoding)."""
+    B, L = canvas.shape
+    gen_length = L - P
+    block_of = torch.arange(gen_length, device=canvas.device) // (block_size or max(gen_length, 1))
+    blocks = canvas_blocks(P, gen_length, block_size, B, canvas.device) if block_causal else None
+    done = finished(canvas[:, P:], eos_id, mask_id)
+    nfe = torch.zeros(B, dtype=torch.long, device=canvas.device)
+    uses_carry = bool(getattr(getattr(model, "spec", None), "carry", False))
+    carry = torch.zeros(B, L, model.config.hidden_size, device=canvas.device) if uses_carry else None
+    last_block = torch.zeros(B, dtype=torch.long, device=canvas.device)
+    dtype = next(model.parameters()).dtype
+    while not bool(done.all()):
+        rows = (~done).nonzero().squeeze(1)
+        sub = slice(None) if len(rows) == B else rows  # finished rows are not computed again
+        masked = canvas[sub, P:] == mask_id
+        current = block_of[first_index(masked).clamp(max=gen_length - 1)]  # the first block with a mask
+        inputs = dict(attention_mask=attention[sub], position_ids=positions[sub])
+        if block_causal:  # response block k has block id k + 1; it and every later block are noised
+            inputs["attention_mask"] = block_causal_mask(blocks[sub], blocks[sub] > current[:, None],
+                                                         k_valid=attention[sub], dtype=dtype)
+        if uses_carry:
+            if reset_carry_per_block or block_causal:
+                carry[sub] = carry[sub] * (current == last_block[sub])[:, None, None].to(carry.dtype)
+                last_block[sub] = current
+            if block_causal:
+                delta = block_carry(model, carry[sub], canvas[sub], blocks[sub] == current[:, None] + 1)
+                logits, hidden = model(canvas[sub], embeds_delta=delta, return_hidden=True, **inputs)
+            else:
+                logits, hidden = model(canvas[sub], carry=carry[sub], return_hidden=True, **inputs)
+            carry[sub] = hidden.float()
+        else:
+            logits = model(canvas[sub], **inputs)
+        eligible = masked & (block_of[None, :] == current[:, None])
+        reveal, confidence = step(canvas, sub, P, logits[:, P:], eligible)
+        nfe[sub] += 1
+        done[sub] = finished(canvas[sub, P:], eos_id, mask_id)
+        record_step(trace, canvas, sub, P, reveal, confidence)
+    return nfe

@@ -1,0 +1,254 @@
+"""Block decoding: block-causal models (uncached reference, KV cache) and Fast-dLLM's caches for full-canvas models."""
+
+import math
+
+import pytest
+import torch
+
+from dlm.modeling.blocks import block_causal_mask
+from dlm.modeling.carry import CARRY_MODULE, attach_carry
+from dlm.sampling.masked import candidates, generate, make_rule
+from tests.conftest import tiny_model
+
+PAD, EOS, MASK, VOCAB = 0, 1, 2, 40
+NEVER = 99  # an EOS id outside the vocabulary: never produced
+POLICIES = (("top_u", dict(reveal_count=2)), ("threshold", dict(confidence_threshold=0.6)))
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _perturb(m, seed):
+    """Large random weights: varied tokens and confidences (as in test_masked_sampler)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return m
+
+
+def _block_model(label_shift=False, carry=False, seed=1, block_size=4):
+    m = tiny_model(VOCAB, attention="block_causal", family="masked", label_shift=label_shift, seed=seed)
+    m.spec.block_size, m.spec.mask_token_id = block_size, MASK
+    if carry:
+        norm = attach_carry(m.backbone)
+        m.spec.carry = True
+        g = torch.Generator().manual_seed(seed + 100)
+        with torch.no_grad():  # not the identity-free zero init: the carry must change the outputs
+            norm.weight.copy_(1 + torch.randn(norm.weight.shape, generator=g))
+            norm.bias.copy_(torch.randn(norm.bias.shape, generator=g))
+    return _perturb(m, seed)
+
+
+def _full_model(label_shift=False, seed=1):
+    return _perturb(tiny_model(VOCAB, attention="bidirectional", family="masked", label_shift=label_shift,
+                               seed=seed), seed)
+
+
+def _prompts(lengths=(3, 7, 5)):
+    g = torch.Generator().manual_seed(4)
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def reference(model, prompt, gen_length, eos_id, policy, reveal_count=2, confidence_threshold=0.9):
+    """One prompt, the canvas cut after the current block (later blocks must not matter), the label shift and the
+    carry applied by hand position by position; the rule applied literally on (-confidence, position)."""
+    bs, spec = model.spec.block_size, model.spec
+    P, G = len(prompt), math.ceil(gen_length / bs) * bs
+    seq, nfe = list(prompt) + [MASK] * G, 0
+    backbone = model.backbone
+    d = model.config.hidden_size
+
+    def finished():
+        for x in seq[P:]:
+            if x == MASK:
+                return False
+            if x == eos_id:
+                return True
+        return True
+
+    for s in range(P, P + G, bs):
+        e, h = s + bs, torch.zeros(bs, d)  # the carry restarts at every block
+        while not finished() and MASK in seq[s:e]:
+            blocks = torch.tensor([[0] * P + [1 + (i - P) // bs for i in range(P, e)]])
+            noised = torch.tensor([[i >= s for i in range(e)]])
+            ids = torch.tensor([seq[:e]])
+            with torch.no_grad():
+                embeds = backbone.get_input_embeddings()(ids)
+                if spec.carry:
+                    added = getattr(backbone, CARRY_MODULE)(h)
+                    for j in range(bs):  # block position j's state feeds position j (j + 1 under label shift)
+                        target = s + j + (1 if spec.label_shift else 0)
+                        if target < e:
+                            embeds[0, target] += added[j]
+                out = backbone.base_model(inputs_embeds=embeds, attention_mask=block_causal_mask(blocks, noised))
+                hidden = out.last_hidden_state[0]
+                logits = backbone.get_output_embeddings()(hidden)
+            nfe += 1
+            h = hidden[s:e]
+            masked = [i for i in range(s, e) if seq[i] == MASK]
+            conf, tok = {}, {}
+            for i in masked:
+                row = logits[i - 1 if spec.label_shift else i].clone()
+                row[MASK] = float("-inf")
+                probs = torch.softmax(row, dim=-1)
+                conf[i], tok[i] = float(probs.max()), int(probs.argmax())
+            order = sorted(masked, key=lambda i: (-conf[i], i))
+            if policy == "top_u":
+                chosen = order[:reveal_count]
+            else:
+                chosen = [i for i in order if conf[i] >= confidence_threshold] or order[:1]
+            for i in chosen:
+                seq[i] = tok[i]
+        if finished():
+            break
+    region = seq[P:]
+    return region[: region.index(eos_id)] if eos_id in region else region, nfe
+
+
+@pytest.mark.parametrize("label_shift,carry", [(False, False), (True, False), (True, True), (False, True)])
+def test_uncached_and_cached_match_the_reference(label_shift, carry):
+    """Without an EOS, then with one produced mid-way (rows stop early); 10 positions round up to 3 blocks of 4."""
+    m = _block_model(label_shift, carry)
+    for policy, options in POLICIES:
+        free = generate(m, _prompts(), 10, NEVER, PAD, MASK, policy=policy, kv_cache=False, **options)
+        assert all(len(t) == 12 for t in free.tokens)
+        eos = free.tokens[1][5]
+        for eos_id in (NEVER, eos):
+            runs = [generate(m, _prompts(), 10, eos_id, PAD, MASK, policy=policy, kv_cache=kv, **options)
+                    for kv in (False, True)]
+            assert runs[0].tokens == runs[1].tokens and runs[0].nfe == runs[1].nfe, (policy, eos_id)
+            for p, toks, nfe in zip(_prompts(), runs[1].tokens, runs[1].nfe):
+                assert (toks, nfe) == reference(m, p, 10, eos_id, policy, **options), (policy, eos_id)
+        assert len(runs[1].tokens[1]) <= 5
+
+
+def test_the_carry_and_the_label_shift_change_the_output():
+    """The conventions above are exercised: a carry model and a label-shift model decode differently."""
+    plain = generate(_block_model(), _prompts(), 12, NEVER, PAD, MASK).tokens
+    assert generate(_block_model(carry=True), _prompts(), 12, NEVER, PAD, MASK).tokens != plain
+    assert generate(_block_model(label_shift=True), _prompts(), 12, NEVER, PAD, MASK).tokens != plain
+
+
+@pytest.mark.parametrize("kv_cache", [True, False])
+def test_batched_equals_one_by_one(kv_cache):
+    m = _block_model(label_shift=True, carry=True, seed=2)
+    prompts = _prompts((3, 7, 5, 1))
+    for policy, options in POLICIES:
+        batched = generate(m, prompts, 12, EOS, PAD, MASK, policy=policy, kv_cache=kv_cache, **options)
+        for p, toks, nfe in zip(prompts, batched.tokens, batched.nfe):
+            alone = generate(m, [p], 12, EOS, PAD, MASK, policy=policy, kv_cache=kv_cache, **options)
+            assert (alone.tokens[0], alone.nfe[0]) == (toks, nfe)
+
+
+def test_only_the_current_block_is_eligible():
+    """Block size 3, 5 positions (rounded up to 6), one reveal per step: steps 0-2 reveal block 0, steps 3-5 block 1,
+    each position once; the most confident position of the block goes first."""
+    m = _block_model(block_size=3)
+    for kv_cache in (False, True):
+        out = generate(m, _prompts((4,)), 5, NEVER, PAD, MASK, policy="top_u", reveal_count=1, kv_cache=kv_cache,
+                       return_trace=True)
+        assert out.nfe == [6] and len(out.tokens[0]) == 6
+        revealed = [step["revealed"][0, 4:].nonzero().squeeze(1).tolist() for step in out.trace]
+        assert [len(r) for r in revealed] == [1] * 6
+        assert all(r[0] // 3 == t // 3 for t, r in enumerate(revealed))
+        assert sorted(sum(revealed, [])) == list(range(6))
+        # before each step, positions of later blocks are still masked
+        for t, step in enumerate(out.trace):
+            later = step["canvas"][0, 4 + 3 * (t // 3 + 1):]
+            assert (later == MASK).all()
+
+
+def test_nfe_counts_and_block_size_from_the_model():
+    m = tiny_model(VOCAB, attention="block_causal", family="masked")  # untrained: confidences ~ 1/VOCAB
+    m.spec.block_size = 4
+    for kv_cache in (True, False):
+        assert generate(m, _prompts(), 10, NEVER, PAD, MASK, reveal_count=1, kv_cache=kv_cache).nfe == [12] * 3
+        assert generate(m, _prompts(), 10, NEVER, PAD, MASK, reveal_count=3, kv_cache=kv_cache).nfe == [6] * 3
+        assert generate(m, _prompts(), 10, NEVER, PAD, MASK, reveal_count=3, block_size=5,
+                        kv_cache=kv_cache).nfe == [4] * 3
+    m.spec.block_size = None
+    with pytest.raises(ValueError, match="block_size"):
+        generate(m, _prompts(), 10, NEVER, PAD, MASK)
+
+
+def test_temperature_sampling_with_the_cache():
+    m = _block_model(label_shift=True)
+    runs = [generate(m, _prompts(), 8, NEVER, PAD, MASK, temperature=1.0, generator=torch.Generator().manual_seed(s))
+            for s in (3, 3, 4)]
+    assert runs[0] == runs[1] and runs[0].tokens != runs[2].tokens
+    assert all(MASK not in t and len(t) == 8 for r in runs for t in r.tokens)
+
+
+# Fast-dLLM caches (approximate) for full-canvas models
+
+
+def _first_step_of_each_block(model, prompt, trace, gen_length, block_size, policy, options):
+    """For a one-prompt trace: each block's first step, recomputed on the whole canvas (exact, no cache)."""
+    P = trace[0]["canvas"].shape[1] - gen_length
+    rule = make_rule(policy, options.get("reveal_count", 2), options.get("confidence_threshold", 0.9))
+    before = torch.tensor([prompt + [MASK] * gen_length])
+    checked = 0
+    for step in trace:
+        first = int(step["revealed"][0].nonzero()[0]) - P
+        block = first // block_size
+        s, e = P + block * block_size, min(P + (block + 1) * block_size, P + gen_length)
+        if (before[0, s:e] == MASK).all():  # this step opened the block
+            with torch.no_grad():
+                logits = model(before)[:, s:e]
+            confidence, token = candidates(logits, MASK, 0.0, None)
+            reveal = rule(confidence, before[:, s:e] == MASK)
+            assert reveal.tolist() == step["revealed"][:, s:e].tolist()
+            assert torch.where(reveal, token, before[:, s:e]).tolist() == step["canvas"][:, s:e].tolist()
+            checked += 1
+        before = step["canvas"]
+    return checked
+
+
+@pytest.mark.parametrize("label_shift", [False, True])
+def test_fast_dllm_first_step_of_each_block_is_exact(label_shift):
+    m = _full_model(label_shift)
+    prompt = _prompts((5,))[0]
+    for cache in ("prefix", "dual"):
+        for block_size in (4, 12):
+            for policy, options in POLICIES:
+                out = generate(m, [prompt], 12, NEVER, PAD, MASK, policy=policy, block_size=block_size, cache=cache,
+                               return_trace=True, **options)
+                assert _first_step_of_each_block(m, prompt, out.trace, 12, block_size, policy, options) == 12 // block_size
+
+
+def test_fast_dllm_prefix_equals_dual_with_one_block_and_both_are_valid():
+    m = _full_model(label_shift=True)
+    one = [generate(m, _prompts(), 12, NEVER, PAD, MASK, policy="threshold", confidence_threshold=0.6, block_size=12,
+                    cache=c) for c in ("prefix", "dual")]
+    assert one[0] == one[1]
+    for cache in ("prefix", "dual"):
+        out = generate(m, _prompts(), 11, NEVER, PAD, MASK, policy="threshold", confidence_threshold=0.6, block_size=4,
+                       cache=cache)
+        assert all(MASK not in t and len(t) == 11 for t in out.tokens)
+        exact = generate(m, _prompts(), 11, NEVER, PAD, MASK, policy="threshold", confidence_threshold=0.6,
+                         block_size=4)
+        assert all(3 <= n <= 11 for n in out.nfe) and len(exact.nfe) == len(out.nfe)
+        # batched equals one by one (the cache is per row)
+        for p, toks, nfe in zip(_prompts(), out.tokens, out.nfe):
+            alone = generate(m, [p], 11, NEVER, PAD, MASK, policy="threshold", confidence_threshold=0.6,
+                             block_size=4, cache=cache)
+            assert (alone.tokens[0], alone.nfe[0]) == (toks, nfe)
+
+
+def test_fast_dllm_nfe_counts():
+    m = tiny_model(VOCAB, attention="bidirectional", family="masked")  # untrained: one reveal per step at u=1
+    for cache in ("prefix", "dual"):
+        assert generate(m, _prompts(), 11, NEVER, PAD, MASK, reveal_count=1, block_size=4, cache=cache).nfe == [11] * 3
+        assert generate(m, _prompts(), 11, NEVER, PAD, MASK, reveal_count=3, block_size=4,
+                        cache=cache).nfe == [2 + 2 + 1] * 3
+
+
+def test_rejects_bad_cache_options():
+    full, block = _full_model(), _block_model()
+    with pytest.raises(ValueError, match="block_size"):
+        generate(full, _prompts(), 4, NEVER, PAD, MASK, cache="prefix")
+    with pytest.raises(ValueError, match="kv_cache"):
+        generate(block, _prompts(), 4, NEVER, PAD, MASK, cache="dual")
+    with pytest.raises(ValueError, match="unknown cache"):
+        generate(full, _prompts(), 4, NEVER, PAD, MASK, block_size=2, cache="suffix")
