@@ -252,3 +252,15 @@ def test_rejects_bad_cache_options():
         generate(block, _prompts(), 4, NEVER, PAD, MASK, cache="dual")
     with pytest.raises(ValueError, match="unknown cache"):
         generate(full, _prompts(), 4, NEVER, PAD, MASK, block_size=2, cache="suffix")
+
+
+def test_cache_options_reach_the_sampler():
+    from dlm.cli import _cache_options, build_parser
+    from dlm.config import EvalConfig
+    from dlm.sampling import options_for
+
+    assert options_for("masked", EvalConfig().sampler_options("masked"))["kv_cache"] is True
+    assert options_for("masked", EvalConfig(cache="dual", block_size=32).sampler_options("masked"))["cache"] == "dual"
+    args = build_parser().parse_args(["eval", "runs/x", "--block-size", "32", "--cache", "prefix", "--no-kv-cache"])
+    assert _cache_options(args) == {"kv_cache": False, "cache": "prefix"}
+    assert options_for("autoregressive", _cache_options(args)) == {}

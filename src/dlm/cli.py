@@ -57,10 +57,21 @@ def _cmd_generate(a):
     if not prompts:
         sys.exit("dlm generate: give at least one --prompt or a --file")
     sampler = {"policy": a.sampler, "reveal_count": a.u, "confidence_threshold": a.tau, "block_size": a.block_size,
-               **_simplex_options(a)}
+               **_cache_options(a), **_simplex_options(a)}
     for r in generate_text(a.model, prompts, max_new_tokens=a.max_new_tokens, temperature=a.temperature, seed=a.seed,
                            show_steps=a.show_steps, **sampler):
         print(f"user: {r['prompt']}\nassistant ({r['nfe']} NFE):\n{r['response']}\n")
+
+
+def _cache_options(a) -> dict:
+    return {"kv_cache": not a.no_kv_cache, "cache": a.cache}
+
+
+def _add_cache_flags(p) -> None:
+    p.add_argument("--no-kv-cache", action="store_true",
+                   help="block-causal masked models: recompute the whole canvas every step (the exact reference)")
+    p.add_argument("--cache", choices=["prefix", "dual"],
+                   help="full-canvas masked models with --block-size: Fast-dLLM's approximate KV cache")
 
 
 def _simplex_options(a) -> dict:
@@ -96,7 +107,7 @@ def _cmd_eval(a):
         if not a.reference_model:
             sys.exit("dlm eval: --metric intrinsic needs --reference-model (a held-out AR model directory)")
         sampler = {"policy": a.sampler, "reveal_count": a.u, "confidence_threshold": a.tau,
-                   "block_size": a.block_size, **_simplex_options(a)}
+                   "block_size": a.block_size, **_cache_options(a), **_simplex_options(a)}
         try:
             run_intrinsic(a.model, data, a.reference_model, sampler=sampler, n=a.n, batch_size=a.batch_size,
                           max_new_tokens=a.max_new_tokens, seed=a.seed, with_mauve=not a.no_mauve, out=a.out)
@@ -104,7 +115,7 @@ def _cmd_eval(a):
             sys.exit(f"dlm eval: {err}")
         return
     sampler = {"policy": a.sampler, "reveal_count": a.u, "confidence_threshold": a.tau, "block_size": a.block_size,
-               **_simplex_options(a)}
+               **_cache_options(a), **_simplex_options(a)}
     try:
         result = run_sweep(a.model, data, sampler=sampler, sweep=a.sweep, n=a.n, batch_size=a.batch_size,
                            max_new_tokens=a.max_new_tokens, seed=a.seed)
@@ -164,6 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--u", type=int, default=2, help="masked: positions revealed per step (default: 2)")
     g.add_argument("--tau", type=float, default=0.9, help="masked: confidence threshold (default: 0.9)")
     g.add_argument("--block-size", type=int, help="masked: block decoding with blocks of this size")
+    _add_cache_flags(g)
     g.add_argument("--show-steps", action="store_true",
                    help="masked: render the denoising step by step, tokens coloured by confidence")
     _add_simplex_flags(g)
@@ -192,6 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--u", type=int, default=2, help="masked: positions revealed per step for top_u (default: 2)")
     e.add_argument("--tau", type=float, default=0.9, help="masked: confidence threshold (Fast-dLLM) (default: 0.9)")
     e.add_argument("--block-size", type=int, help="masked: block decoding with blocks of this size (default: full canvas)")
+    _add_cache_flags(e)
     e.add_argument("--sweep", help="grid over one setting: tau=0.7,0.8,0.9,1.0 or u=1,2,4,8 (masked); "
                    "steps=10,100 or eta=0,0.25 (simplex)")
     _add_simplex_flags(e)

@@ -159,6 +159,10 @@ class EvalConfig(_Strict):
     reveal_count: int = Field(2, gt=0, description="u: positions revealed per step (masked sampler)")
     confidence_threshold: float = Field(0.9, gt=0, le=1, description="tau (masked sampler)")
     block_size: int | None = Field(None, gt=0, description="block decoding (masked sampler); null = full canvas")
+    kv_cache: bool = Field(True, description="block-causal models: exact KV cache over finished blocks (false = "
+                           "recompute the whole canvas every step)")
+    cache: Literal["prefix", "dual"] | None = Field(None, description="full-canvas models with a block_size: "
+                                                    "Fast-dLLM's approximate prefix or dual KV cache; null = none")
     inference_steps: int = Field(100, gt=0, description="simplex sampler: reverse diffusion steps (TESS 2 §5.1)")
     top_p: float | None = Field(None, gt=0, le=1, description="simplex: top-p projection instead of argmax (Eq. 5)")
     early_stop_patience: int | None = Field(None, gt=0, description="simplex: stop a row once its tokens are "
@@ -171,7 +175,8 @@ class EvalConfig(_Strict):
         if family != "masked":
             return {}
         return {"policy": self.policy, "reveal_count": self.reveal_count,
-                "confidence_threshold": self.confidence_threshold, "block_size": self.block_size}
+                "confidence_threshold": self.confidence_threshold, "block_size": self.block_size,
+                "kv_cache": self.kv_cache, "cache": self.cache}
 
 
 class Recipe(_Strict):

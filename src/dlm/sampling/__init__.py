@@ -7,7 +7,7 @@ from collections.abc import Sequence
 # The settings each family's sampler takes; callers pass one dict and each model gets its own share.
 SAMPLER_OPTIONS = {
     "autoregressive": (),
-    "masked": ("policy", "reveal_count", "confidence_threshold", "block_size"),
+    "masked": ("policy", "reveal_count", "confidence_threshold", "block_size", "kv_cache", "cache"),
     "simplex": ("inference_steps", "top_p", "early_stop_patience", "reward_model", "guidance_scale", "guidance_steps"),
 }
 
@@ -80,7 +80,8 @@ def generate_text(model_path, prompts: Sequence[str], *, max_new_tokens: int = 1
 
         for row, r in enumerate(results):
             print(f"user: {r['prompt']}")
-            render(out.trace, tok, row, None, max_new_tokens, model.spec.mask_token_id, console=console)
+            width = out.trace[0]["canvas"].shape[1] - max(map(len, ids))  # block-causal: whole blocks
+            render(out.trace, tok, row, None, width, model.spec.mask_token_id, console=console)
     elif traced:  # simplex: the argmax prediction across the reverse process (TESS 2 App. F)
         from dlm.sampling.simplex import show_steps as render_simplex
 
