@@ -178,3 +178,26 @@ def test_block_pu_objective_carry_restarts_per_trajectory_and_gradient_flows_thr
     assert norm.grad is not None and float(norm.grad.abs().sum()) > 0  # the carry of pass 1 fed pass 2's loss
     assert float(obj.pool.carry.abs().sum()) > 0  # stored for the next window
     assert int(obj.pool.steps.max()) == 2
+
+
+@pytest.mark.parametrize("label_shift", [True, False])
+def test_training_pass_sees_what_block_decoding_sees(label_shift):
+    """For a block being denoised (earlier blocks final, a carry from the previous step), the vectorised training pass
+    and the block decoder compute the same logits for that block: train on exactly what inference visits."""
+    from dlm.modeling.blocks import block_forward, canvas_blocks
+    from dlm.sampling.masked import block_carry
+
+    S = 4
+    model = block_model(label_shift, S, carry=True)
+    b = collate([Example([5, 6, 7], list(range(10, 20)))], EOS, PAD, block_size=S)  # 3 blocks: positions 3-14
+    target = b["input_ids"]
+    canvas = target.clone()
+    canvas[0, [12, 14]] = MASK  # block 2 (positions 11-14) partly masked, blocks 0-1 final
+    hidden = torch.randn(1, 15, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    hidden[:, :11] = 0  # the carry of block 2 only
+    train_logits = block_forward(model, canvas, target, b["prompt_len"], torch.tensor([15]), carry=hidden)
+    blocks = canvas_blocks(3, 12, S)
+    mask = block_causal_mask(blocks, blocks > 2)  # current block: response block 2 (block id 3)
+    delta = block_carry(model, hidden, canvas, blocks == 3)
+    decode_logits = model(canvas, attention_mask=mask, position_ids=torch.arange(15)[None], embeds_delta=delta)
+    assert torch.allclose(train_logits[0, 11:], decode_logits[0, 11:], atol=1e-5)

@@ -65,6 +65,8 @@ def carry_input(norm: nn.LayerNorm, carry: torch.Tensor, input_ids: torch.Tensor
         c = c * attention_mask.unsqueeze(-1).to(c.dtype)
     if label_shift:
         c = torch.cat([torch.zeros_like(c[:, :1]), c[:, :-1]], dim=1)
+        if attention_mask is not None:  # and they receive nothing either (block layouts: clean copies, the prompt)
+            c = c * attention_mask.unsqueeze(-1).to(c.dtype)
     if positions == "masked":
         if mask_token_id is None:
             raise ValueError("carry_positions='masked' needs the model's mask token id")
