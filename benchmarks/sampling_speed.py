@@ -1,0 +1,249 @@
+"""Sampling speed of masked diffusion vs the AR baseline on the same tinymath test prompts, in one run.
+
+Every model decodes the first --n test problems greedily at each batch size, with the same output budget
+(--max-new-tokens: the AR token limit and the masked generation canvas; a block-causal model rounds it up to whole
+blocks). For each setting it reports
+
+  accuracy      programs graded in the sandbox (dlm.evaluation.tasks.grade_programs), as `dlm eval` does
+  mean NFE      forward passes per problem (AR: one per generated token, EOS included)
+  tokens/s      generated tokens up to (not including) the first EOS, summed over problems / decoding wall time
+  ms/problem    decoding wall time / problems
+  forward %     share of the wall time spent inside the backbone (transformer + LM head), timed with perf_counter
+                hooks; the rest is Python: policy, sampler and cache bookkeeping, padding, batching
+  x AR          tokens/s of the setting / tokens/s of the AR model at the same batch size
+
+Masked settings: --policy (threshold: Fast-dLLM's tau rule, each --tau value a setting; top_u: --u), --block-size
+(default: the model's own block size for block-causal models, the full canvas otherwise) and --cache, a list of
+  auto    block-causal: the exact KV cache over finished blocks; full canvas: no cache
+  kv      block-causal only: the exact KV cache (dlm.sampling.block_cache)
+  none    no cache: the whole canvas every step (block-causal: under the block-causal mask)
+  prefix  full canvas only, needs a block size: Fast-dLLM prefix cache (approximate)
+  dual    full canvas only, needs a block size: Fast-dLLM dual cache (approximate)
+Settings that do not apply to a model are skipped.
+
+--profile breaks one decoding per setting (the first problem alone, batch 1) into its steps: time in the model
+forward vs the rest per step, plus torch.profiler's top operators by self CPU time.
+
+Writes JSON (every row, the command, machine, date) to --out and a markdown table beside it (.md).
+
+    python benchmarks/sampling_speed.py --ar runs/calib-ar-medium --masked runs/medium-mdm-cont \\
+        --data runs/calib-ar-medium/data/test.jsonl --n 100 --max-new-tokens 96 --batch-sizes 1,16 \\
+        --policy threshold --tau 0.7,0.8,0.9,1.0 --block-size 32 --cache none,prefix,dual \\
+        --out docs/results/fastdllm-cache.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from dlm.data.sources import read_jsonl
+from dlm.data.tokenizer import encode_pair
+from dlm.evaluation.run import default_task_file
+from dlm.evaluation.tasks import grade_programs
+from dlm.sampling import generate, load_for_inference
+
+CACHES = ("auto", "kv", "none", "prefix", "dual")
+
+
+class ForwardTimer:
+    """Wall time spent inside the backbone (transformer + LM head), from forward hooks; `calls` counts transformer
+    passes and `steps` keeps (forward s, wall s since the previous pass ended) per pass when `per_step` is set."""
+
+    def __init__(self, model):
+        backbone = getattr(model, "backbone", model)
+        self.modules = [backbone.base_model, backbone.get_output_embeddings()]
+        self.seconds, self.calls, self.per_step, self.steps = 0.0, 0, False, []
+        self._t0, self._last_end, self._this, self._first = 0.0, None, 0.0, time.perf_counter()
+        self.handles = []
+        for i, m in enumerate(self.modules):
+            self.handles.append(m.register_forward_pre_hook(lambda *_: self._start()))
+            self.handles.append(m.register_forward_hook(lambda *_, first=(i == 0): self._stop(first)))
+
+    def _start(self):
+        self._t0 = time.perf_counter()
+
+    def _stop(self, transformer: bool):
+        now = time.perf_counter()
+        self.seconds += now - self._t0
+        self._this += now - self._t0
+        if transformer:
+            self.calls += 1
+        else:  # the LM head ends a pass
+            if self.per_step:
+                self.steps.append((self._this, now - (self._last_end if self._last_end else self._first)))
+            self._this, self._last_end = 0.0, now
+
+    def reset(self, per_step: bool = False):
+        self.seconds, self.calls, self.per_step, self.steps = 0.0, 0, per_step, []
+        self._this, self._last_end, self._first = 0.0, None, time.perf_counter()
+
+
+def settings(model, args) -> list[dict]:
+    """The sampler options to measure for a model (an AR model has exactly one setting)."""
+    spec = model.spec
+    if spec.family == "autoregressive":
+        return [{}]
+    block_causal = spec.attention == "block_causal"
+    block_size = args.block_size or (spec.block_size if block_causal else None)
+    out = []
+    for cache in args.cache:
+        if cache == "auto":
+            cache = "kv" if block_causal else "none"
+        if (cache == "kv" and not block_causal) or (cache in ("prefix", "dual") and (block_causal or not block_size)):
+            continue
+        opts = {"block_size": block_size, "kv_cache": cache == "kv", "cache": cache if cache in ("prefix", "dual") else None}
+        if args.policy == "top_u":
+            out.append({"policy": "top_u", "reveal_count": args.u, **opts})
+        else:
+            out += [{"policy": "threshold", "confidence_threshold": tau, **opts} for tau in args.tau]
+    unique = []
+    for o in out:  # "auto" may repeat an explicit choice
+        if o not in unique:
+            unique.append(o)
+    return unique
+
+
+def decode(model, tok, prompts, batch_size, max_new_tokens, options):
+    """(generated token lists, NFE list, wall seconds)."""
+    tokens, nfe = [], []
+    t0 = time.perf_counter()
+    for start in range(0, len(prompts), batch_size):
+        out = generate(model, prompts[start : start + batch_size], max_new_tokens=max_new_tokens,
+                       eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, **options)
+        tokens += out.tokens
+        nfe += out.nfe
+    return tokens, nfe, time.perf_counter() - t0
+
+
+def profile_one(model, tok, prompt, max_new_tokens, options, timer) -> dict:
+    """One decoding of one prompt: per-step forward vs other time, and the top operators (torch.profiler)."""
+    timer.reset(per_step=True)
+    t0 = time.perf_counter()
+    decode(model, tok, [prompt], 1, max_new_tokens, options)
+    wall = time.perf_counter() - t0
+    steps = [{"forward_ms": 1000 * f, "other_ms": 1000 * (w - f)} for f, w in timer.steps]
+    timer.reset()
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        decode(model, tok, [prompt], 1, max_new_tokens, options)
+    ops = [{"op": e.key, "self_cpu_ms": e.self_cpu_time_total / 1000, "calls": e.count}
+           for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:15]]
+    forward = sum(s["forward_ms"] for s in steps)
+    return {"wall_ms": 1000 * wall, "forward_ms": forward, "other_ms": 1000 * wall - forward, "steps": steps,
+            "top_ops": ops}
+
+
+def run(args) -> dict:
+    torch.set_num_threads(args.threads)
+    data = args.data or default_task_file(args.masked[0] if args.masked else args.ar, "tinymath")
+    records = read_jsonl(data, required=("prompt",))[: args.n]
+    if any("answer" not in r for r in records):
+        raise SystemExit(f"{data}: every record needs an 'answer' field to be graded")
+    rows, profiles = [], []
+    for path in ([args.ar] if args.ar else []) + list(args.masked):
+        model, tok = load_for_inference(path)
+        prompts = [encode_pair(tok, r["prompt"], "")[0] for r in records]
+        timer = ForwardTimer(model)
+        for options in settings(model, args):
+            decode(model, tok, prompts[:2], 2, args.max_new_tokens, options)  # warm-up
+            for batch_size in args.batch_sizes:
+                timer.reset()
+                tokens, nfe, wall = decode(model, tok, prompts, batch_size, args.max_new_tokens, options)
+                correct = grade_programs([tok.decode(t, skip_special_tokens=True) for t in tokens],
+                                         [r["answer"] for r in records])
+                n = len(records)
+                row = {"model": str(path), "family": model.spec.family, "attention": model.spec.attention,
+                       **options, "batch_size": batch_size, "n": n, "accuracy": sum(correct) / n,
+                       "mean_nfe": sum(nfe) / n, "tokens": sum(map(len, tokens)), "wall_s": wall,
+                       "tokens_per_s": sum(map(len, tokens)) / wall, "ms_per_problem": 1000 * wall / n,
+                       "forward_share": timer.seconds / wall, "forwards": timer.calls}
+                rows.append(row)
+                print(f"{Path(path).name} {describe(row)} batch {batch_size}: acc {100 * row['accuracy']:.1f}% | "
+                      f"NFE {row['mean_nfe']:.1f} | {row['tokens_per_s']:.0f} tok/s | "
+                      f"{row['ms_per_problem']:.1f} ms/problem | forward {100 * row['forward_share']:.0f}%",
+                      flush=True)
+            if args.profile:
+                profiles.append({"model": str(path), "family": model.spec.family,
+                                 "attention": model.spec.attention, **options,
+                                 **profile_one(model, tok, prompts[0], args.max_new_tokens, options, timer)})
+    ar = {r["batch_size"]: r["tokens_per_s"] for r in rows if r["family"] == "autoregressive"}
+    for r in rows:
+        r["x_ar_tokens_per_s"] = r["tokens_per_s"] / ar[r["batch_size"]] if r["batch_size"] in ar else None
+    return {"command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+            "date": datetime.date.today().isoformat(),
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {args.threads} thread(s)",
+            "data": str(data), "n": len(records), "max_new_tokens": args.max_new_tokens, "rows": rows,
+            "profiles": profiles}
+
+
+def describe(row: dict) -> str:
+    if row["family"] == "autoregressive":
+        return "AR (KV cache)"
+    rule = f"tau={row['confidence_threshold']}" if row["policy"] == "threshold" else f"u={row['reveal_count']}"
+    cache = row["cache"] or ("kv" if row["kv_cache"] and row["attention"] == "block_causal" else "none")
+    return f"{rule}, block {row['block_size'] or 'full'}, cache {cache}"
+
+
+def markdown(result: dict) -> str:
+    lines = [f"Command: `{result['command']}`", "",
+             f"Machine: {result['machine']}; date {result['date']}; {result['n']} problems of {result['data']}; "
+             f"output budget {result['max_new_tokens']} tokens.", "",
+             "| model | setting | batch | accuracy | mean NFE | tokens/s | ms/problem | forward % | x AR tokens/s |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        x = f"{r['x_ar_tokens_per_s']:.2f}" if r["x_ar_tokens_per_s"] is not None else "-"
+        lines.append(f"| {Path(r['model']).name} | {describe(r)} | {r['batch_size']} | {100 * r['accuracy']:.1f} % | "
+                     f"{r['mean_nfe']:.1f} | {r['tokens_per_s']:.0f} | {r['ms_per_problem']:.1f} | "
+                     f"{100 * r['forward_share']:.0f} | {x} |")
+    for p in result["profiles"]:
+        lines += ["", f"Profile, {Path(p['model']).name} {describe(p)}: "
+                  f"{p['wall_ms']:.1f} ms, {len(p['steps'])} forwards, forward {p['forward_ms']:.1f} ms, "
+                  f"other {p['other_ms']:.1f} ms; top operators: "
+                  + ", ".join(f"{o['op']} {o['self_cpu_ms']:.1f} ms" for o in p["top_ops"][:6])]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ar", help="AR model (run or model dir): the baseline, with its KV cache")
+    ap.add_argument("--masked", action="append", default=[], help="masked model (run or model dir); repeatable")
+    ap.add_argument("--data", help="tinymath jsonl with prompt/answer (default: the test split beside the first model)")
+    ap.add_argument("--n", type=int, default=100, help="test problems (default: 100)")
+    ap.add_argument("--max-new-tokens", type=int, default=96, help="output budget for every model (default: 96)")
+    ap.add_argument("--batch-sizes", default="1,16", help="comma-separated batch sizes (default: 1,16)")
+    ap.add_argument("--policy", default="threshold", choices=["threshold", "top_u"], help="masked unmasking rule")
+    ap.add_argument("--tau", default="0.9", help="threshold policy: comma-separated tau values (default: 0.9)")
+    ap.add_argument("--u", type=int, default=2, help="top_u policy: positions revealed per step (default: 2)")
+    ap.add_argument("--block-size", type=int, help="masked block size (default: the model's, or the full canvas)")
+    ap.add_argument("--cache", default="auto", help=f"comma-separated, from {', '.join(CACHES)} (default: auto)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")
+    ap.add_argument("--profile", action="store_true", help="per-step forward/other split of one decoding per setting")
+    ap.add_argument("--out", required=True, help="JSON output path; the markdown table goes beside it (.md)")
+    args = ap.parse_args(argv)
+    args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    args.tau = [float(t) for t in args.tau.split(",")]
+    args.cache = args.cache.split(",")
+    if bad := [c for c in args.cache if c not in CACHES]:
+        ap.error(f"--cache: unknown {', '.join(bad)}; choose from {', '.join(CACHES)}")
+    if not args.ar and not args.masked:
+        ap.error("give --ar and/or --masked")
+    result = run(args)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    out.with_suffix(".md").write_text(markdown(result))
+    print(f"results: {out}\ntable:   {out.with_suffix('.md')}")
+
+
+if __name__ == "__main__":
+    main()
