@@ -6,9 +6,11 @@ results are reported as ratios measured in this one run.
     python benchmarks/training_overhead.py --preset small --batch-size 16 --updates 6 \\
         --out docs/results/training-overhead.json
 
-Memory: on CUDA, torch.cuda.max_memory_allocated; on CPU, the process's peak resident set size (ru_maxrss) minus
-its resident size just before the first update (so it counts what training adds: activations, gradients,
-optimizer state, pool). Goals (issue 4): PU ≤ 1.10 × MDM; W-step BPTT ≤ 1.05 × W × (carry W=1) per update; peak
+Memory: on CUDA, torch.cuda.max_memory_allocated; on CPU, two measures: (1) the process's peak resident set size
+(ru_maxrss) minus its resident size just before the first update (it counts what training adds, and also what the
+allocator keeps after freeing); (2) `live_peak_mib`, the CPU counterpart of max_memory_allocated: one extra update
+runs under a dispatch mode that follows every tensor storage from creation to release, and reports the peak of
+the bytes alive at once, plus the parameters and optimizer state that exist before the update. Goals (issue 4): PU ≤ 1.10 × MDM; W-step BPTT ≤ 1.05 × W × (carry W=1) per update; peak
 memory at W=8 with checkpointing ≤ 2 × W=1.
 """
 
@@ -70,9 +72,75 @@ def child(args) -> None:
         times.append(time.perf_counter() - t0)
     peak = (torch.cuda.max_memory_allocated() / 2**20 if cuda
             else (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base_rss) / 1024)
+    live = None
+    if not cuda:
+        static = sum(t.untyped_storage().nbytes() for t in _static_tensors(trainer))
+        with LiveTensorPeak() as tracker:
+            trainer.train_step()
+        live = (static + tracker.peak) / 2**20
     times.sort()
     print(json.dumps({"config": args.config, "median_s": times[len(times) // 2], "min_s": times[0],
-                      "peak_mib": peak, "device": "cuda" if cuda else "cpu"}))
+                      "peak_mib": peak, "live_peak_mib": live, "device": "cuda" if cuda else "cpu"}))
+
+
+def _static_tensors(trainer):
+    """Parameters and optimizer state: alive before and after an update (counted once, by storage)."""
+    import torch
+
+    seen, out = set(), []
+    tensors = list(trainer.unwrapped.parameters())
+    for state in trainer.optimizer.state.values():
+        tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+    for t in tensors:
+        key = t.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            out.append(t)
+    return out
+
+
+class LiveTensorPeak:
+    """Peak bytes of tensor storages alive at once among those created inside the context (CPU stand-in for
+    torch.cuda.max_memory_allocated): a TorchDispatchMode sees every op's outputs, a weakref finalizer sees each
+    storage's release. Views share their base's storage and are counted once."""
+
+    def __enter__(self):
+        import weakref
+
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_map_only
+
+        tracker = self
+        self.current = self.peak = 0
+        self._seen: dict[int, int] = {}
+
+        def track(t):
+            st = t.untyped_storage()
+            key = id(st)
+            if key in tracker._seen or st.nbytes() == 0:
+                return
+            n = st.nbytes()
+            tracker._seen[key] = n
+            tracker.current += n
+            tracker.peak = max(tracker.peak, tracker.current)
+            weakref.finalize(st, tracker._free, key)
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                tree_map_only(torch.Tensor, track, out)
+                return out
+
+        self._mode = Mode()
+        self._mode.__enter__()
+        return self
+
+    def _free(self, key):
+        self.current -= self._seen.pop(key, 0)
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)
 
 
 def _rss_kib() -> int:
@@ -106,7 +174,9 @@ def main() -> None:
         if proc.returncode != 0:
             raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")
         results[name] = json.loads(proc.stdout.strip().splitlines()[-1])
-        print(f"{name:8s} {results[name]['median_s']:.3f} s/update  peak +{results[name]['peak_mib']:.0f} MiB", flush=True)
+        live = results[name].get("live_peak_mib")
+        print(f"{name:8s} {results[name]['median_s']:.3f} s/update  peak +{results[name]['peak_mib']:.0f} MiB"
+              + (f"  live peak {live:.0f} MiB" if live is not None else ""), flush=True)
     mdm = results.get("mdm")
     w1 = results.get("w1")
     for name, r in results.items():
@@ -117,6 +187,10 @@ def main() -> None:
         if w1:
             r["time_vs_w_times_w1"] = r["median_s"] / (WINDOW[name] * w1["median_s"])
             r["memory_vs_w1"] = r["peak_mib"] / w1["peak_mib"] if w1["peak_mib"] > 0 else None
+            if r.get("live_peak_mib") and w1.get("live_peak_mib"):
+                r["live_memory_vs_w1"] = r["live_peak_mib"] / w1["live_peak_mib"]
+        if mdm and r.get("live_peak_mib") and mdm.get("live_peak_mib"):
+            r["live_memory_vs_mdm"] = r["live_peak_mib"] / mdm["live_peak_mib"]
     meta = {"command": " ".join(sys.argv), "preset": args.preset, "batch_size": args.batch_size,
             "canvas": 144, "updates_timed": args.updates, "machine": f"{platform.machine()} {platform.processor()}".strip(),
             "date": time.strftime("%Y-%m-%d"), "notes": args.notes}
