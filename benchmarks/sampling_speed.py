@@ -195,7 +195,8 @@ def describe(row: dict) -> str:
 
 
 def markdown(result: dict) -> str:
-    lines = [f"Command: `{result['command']}`", "",
+    lines = ["# Sampling speed: masked diffusion vs AR (benchmarks/sampling_speed.py)", "",
+             f"Command: `{result['command']}`", "",
              f"Machine: {result['machine']}; date {result['date']}; {result['n']} problems of {result['data']}; "
              f"output budget {result['max_new_tokens']} tokens.", "",
              "| model | setting | batch | accuracy | mean NFE | tokens/s | ms/problem | forward % | x AR tokens/s |",
