@@ -5,7 +5,7 @@ left to right in blocks of 32, sweeping tau in {0.7, 0.8, 0.9, 1.0} (App. B.4.3)
 cache over finished blocks, the full-canvas model recomputes the canvas. Results go to a JSON table and a plot of
 accuracy against NFE.
 
-    python benchmarks/block_study.py --warm-start runs/block/mdm --full-canvas runs/medium-mdm-cont \\
+    python benchmarks/block_study.py --warm-start runs/block/warm --full-canvas runs/medium-mdm-cont \\
         --ar runs/calib-ar-medium --data runs/calib-ar-medium/data --out-dir runs/block \\
         --arms ar,full,warm,mdm,u16w1,u16w2,u8w1,u8w2 --n 200 \\
         --json docs/results/block-tinymath.json --plot docs/results/block-tinymath.png
