@@ -37,3 +37,11 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def assert_batched_equals_one_by_one(generate, model, prompts, *args, **kwargs):
+    """Batched generation over prompts of different lengths gives each row exactly what it gets alone (tokens, NFE)."""
+    batched = generate(model, prompts, *args, **kwargs)
+    for p, toks, nfe in zip(prompts, batched.tokens, batched.nfe):
+        alone = generate(model, [p], *args, **kwargs)
+        assert (alone.tokens[0], alone.nfe[0]) == (toks, nfe)

@@ -8,7 +8,7 @@ import torch
 from dlm.modeling.blocks import block_causal_mask
 from dlm.modeling.carry import CARRY_MODULE, attach_carry
 from dlm.sampling.masked import candidates, generate, make_rule
-from tests.conftest import tiny_model
+from tests.conftest import assert_batched_equals_one_by_one, tiny_model
 
 PAD, EOS, MASK, VOCAB = 0, 1, 2, 40
 NEVER = 99  # an EOS id outside the vocabulary: never produced
@@ -135,10 +135,8 @@ def test_batched_equals_one_by_one(kv_cache):
     m = _block_model(label_shift=True, carry=True, seed=2)
     prompts = _prompts((3, 7, 5, 1))
     for policy, options in POLICIES:
-        batched = generate(m, prompts, 12, EOS, PAD, MASK, policy=policy, kv_cache=kv_cache, **options)
-        for p, toks, nfe in zip(prompts, batched.tokens, batched.nfe):
-            alone = generate(m, [p], 12, EOS, PAD, MASK, policy=policy, kv_cache=kv_cache, **options)
-            assert (alone.tokens[0], alone.nfe[0]) == (toks, nfe)
+        assert_batched_equals_one_by_one(generate, m, prompts, 12, EOS, PAD, MASK, policy=policy, kv_cache=kv_cache,
+                                         **options)
 
 
 def test_only_the_current_block_is_eligible():

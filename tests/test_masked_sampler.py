@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from tests.conftest import tiny_model
+from tests.conftest import assert_batched_equals_one_by_one, tiny_model
 from dlm.sampling.masked import generate
 
 PAD, EOS, MASK, VOCAB = 0, 1, 2, 40
@@ -102,10 +102,8 @@ def test_batched_equals_one_by_one():
     prompts = _prompts((3, 7, 5, 1))
     for block_size in (None, 4):
         for policy, options in POLICIES:
-            batched = generate(m, prompts, 10, EOS, PAD, MASK, policy=policy, block_size=block_size, **options)
-            for p, toks, nfe in zip(prompts, batched.tokens, batched.nfe):
-                alone = generate(m, [p], 10, EOS, PAD, MASK, policy=policy, block_size=block_size, **options)
-                assert (alone.tokens[0], alone.nfe[0]) == (toks, nfe)
+            assert_batched_equals_one_by_one(generate, m, prompts, 10, EOS, PAD, MASK, policy=policy,
+                                             block_size=block_size, **options)
 
 
 def test_label_shift_model_matches_reference():
