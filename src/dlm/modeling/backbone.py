@@ -153,7 +153,15 @@ class DiffusionLM(nn.Module):
         """A dlm model directory (HF files + dlm.json), or a plain HF checkpoint loaded as an AR model."""
         directory = Path(directory)
         spec = ModelSpec.load(directory) if ModelSpec.exists(directory) else ModelSpec()
-        backbone = load_backbone(directory, dtype=dtype)
+        if spec.carry:  # transformers reports the carry LayerNorm as an unexpected key; dlm attaches it below
+            level = hf_logging.get_verbosity()
+            hf_logging.set_verbosity_error()
+            try:
+                backbone = load_backbone(directory, dtype=dtype)
+            finally:
+                hf_logging.set_verbosity(level)
+        else:
+            backbone = load_backbone(directory, dtype=dtype)
         if spec.carry:
             from dlm.modeling.carry import CARRY_MODULE, attach_carry
 
