@@ -127,6 +127,7 @@ def plot(table: dict, path: str) -> None:
     ax.set_title(f"tinymath medium, blocks of {table['block_size']} (n={table['n']})")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -143,6 +143,7 @@ def plot(table: dict, path: str) -> None:
     fig.suptitle(f"tinymath medium, Post-SFT continuations of {table['steps']} updates (n={table['n']})")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
