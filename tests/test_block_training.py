@@ -185,7 +185,6 @@ def test_training_pass_sees_what_block_decoding_sees(label_shift):
     """For a block being denoised (earlier blocks final, a carry from the previous step), the vectorised training pass
     and the block decoder compute the same logits for that block: train on exactly what inference visits."""
     from dlm.modeling.blocks import block_forward, canvas_blocks
-    from dlm.sampling.masked import block_carry
 
     S = 4
     model = block_model(label_shift, S, carry=True)
@@ -198,6 +197,6 @@ def test_training_pass_sees_what_block_decoding_sees(label_shift):
     train_logits = block_forward(model, canvas, target, b["prompt_len"], torch.tensor([15]), carry=hidden)
     blocks = canvas_blocks(3, 12, S)
     mask = block_causal_mask(blocks, blocks > 2)  # current block: response block 2 (block id 3)
-    delta = block_carry(model, hidden, canvas, blocks == 3)
-    decode_logits = model(canvas, attention_mask=mask, position_ids=torch.arange(15)[None], embeds_delta=delta)
+    decode_logits = model(canvas, attention_mask=mask, position_ids=torch.arange(15)[None], carry=hidden,
+                          carry_mask=blocks == 3)  # how the block decoder passes the carry
     assert torch.allclose(train_logits[0, 11:], decode_logits[0, 11:], atol=1e-5)

@@ -24,7 +24,7 @@ import torch
 from transformers import DynamicCache
 
 from dlm.modeling.blocks import block_causal_mask, canvas_blocks
-from dlm.sampling.masked import block_carry, finished, record_step
+from dlm.sampling.masked import finished, record_step
 
 
 def _select(layers: list[tuple[torch.Tensor, torch.Tensor]], rows: torch.Tensor) -> DynamicCache:
@@ -110,8 +110,7 @@ def _forward(model, ids, inputs, carry, in_block):
     """Raw outputs (index i = output at position i) and last hidden states; the carry enters inside the block only."""
     if in_block is None:
         return model(ids, align=False, **inputs), None
-    delta = block_carry(model, carry, ids, in_block)
-    return model(ids, align=False, embeds_delta=delta, return_hidden=True, **inputs)
+    return model(ids, align=False, carry=carry, carry_mask=in_block, return_hidden=True, **inputs)
 
 
 @torch.no_grad()

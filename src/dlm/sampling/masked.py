@@ -91,19 +91,6 @@ def record_step(trace: list[dict] | None, canvas: torch.Tensor, rows, start: int
     trace.append({"canvas": canvas.cpu().clone(), "revealed": full_reveal.cpu(), "confidence": full_conf.cpu()})
 
 
-def block_carry(model, hidden: torch.Tensor, ids: torch.Tensor, in_block: torch.Tensor) -> torch.Tensor:
-    """The carry added to the embeddings in block decoding (PUMBA Eq. 3.1, App. B.4.3): LayerNorm of the current
-    block's hidden states from the previous step (zero at a block's first step), shifted right by one under label
-    shift and kept only inside the current block (`in_block` [B, L]), so the block's first position receives zero
-    with label shift and every position outside the block receives nothing."""
-    from dlm.modeling.carry import CARRY_MODULE, carry_input
-
-    spec, keep = model.spec, in_block.unsqueeze(-1).to(hidden.dtype)
-    added = carry_input(getattr(model.backbone, CARRY_MODULE), hidden * keep, ids, spec.mask_token_id,
-                        spec.label_shift, spec.carry_positions, in_block)
-    return added * keep.to(added.dtype)
-
-
 @torch.no_grad()
 def generate(
     model,
@@ -204,8 +191,9 @@ def decode(model, canvas, attention, positions, P, block_size, step, eos_id, mas
                 carry[sub] = carry[sub] * (current == last_block[sub])[:, None, None].to(carry.dtype)
                 last_block[sub] = current
             if block_causal:
-                delta = block_carry(model, carry[sub], canvas[sub], blocks[sub] == current[:, None] + 1)
-                logits, hidden = model(canvas[sub], embeds_delta=delta, return_hidden=True, **inputs)
+                # the carry is passed on and received inside the current block only (App. B.4.3)
+                logits, hidden = model(canvas[sub], carry=carry[sub], carry_mask=blocks[sub] == current[:, None] + 1,
+                                       return_hidden=True, **inputs)
             else:
                 logits, hidden = model(canvas[sub], carry=carry[sub], return_hidden=True, **inputs)
             carry[sub] = hidden.float()
