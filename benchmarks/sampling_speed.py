@@ -10,7 +10,7 @@ blocks). For each setting it reports
   ms/problem    decoding wall time / problems
   forward %     share of the wall time spent inside the backbone (transformer + LM head), timed with perf_counter
                 hooks; the rest is Python: policy, sampler and cache bookkeeping, padding, batching
-  x AR          tokens/s of the setting / tokens/s of the AR model at the same batch size
+  x AR          tokens/s of the setting / the AR model's best tokens/s at the same batch size (its fastest dtype)
 
 Masked settings: --policy (threshold: Fast-dLLM's tau rule, each --tau value a setting; top_u: --u), --block-size
 (default: the model's own block size for block-causal models, the full canvas otherwise) and --cache, a list of
@@ -19,7 +19,8 @@ Masked settings: --policy (threshold: Fast-dLLM's tau rule, each --tau value a s
   none    no cache: the whole canvas every step (block-causal: under the block-causal mask)
   prefix  full canvas only, needs a block size: Fast-dLLM prefix cache (approximate)
   dual    full canvas only, needs a block size: Fast-dLLM dual cache (approximate)
-Settings that do not apply to a model are skipped.
+Settings that do not apply to a model are skipped. --dtypes loads every model at each listed precision (accuracy
+is measured at that precision too); --threads sets torch's intra-op threads for all of them.
 
 --profile breaks one decoding per setting (the first problem alone, batch 1) into its steps: time in the model
 forward vs the rest per step, plus torch.profiler's top operators by self CPU time.
@@ -151,32 +152,37 @@ def run(args) -> dict:
         raise SystemExit(f"{data}: every record needs an 'answer' field to be graded")
     rows, profiles = [], []
     for path in ([args.ar] if args.ar else []) + list(args.masked):
-        model, tok = load_for_inference(path)
-        prompts = [encode_pair(tok, r["prompt"], "")[0] for r in records]
-        timer = ForwardTimer(model)
-        for options in settings(model, args):
-            decode(model, tok, prompts[:2], 2, args.max_new_tokens, options)  # warm-up
-            for batch_size in args.batch_sizes:
-                timer.reset()
-                tokens, nfe, wall = decode(model, tok, prompts, batch_size, args.max_new_tokens, options)
-                correct = grade_programs([tok.decode(t, skip_special_tokens=True) for t in tokens],
-                                         [r["answer"] for r in records])
-                n = len(records)
-                row = {"model": str(path), "family": model.spec.family, "attention": model.spec.attention,
-                       **options, "batch_size": batch_size, "n": n, "accuracy": sum(correct) / n,
-                       "mean_nfe": sum(nfe) / n, "tokens": sum(map(len, tokens)), "wall_s": wall,
-                       "tokens_per_s": sum(map(len, tokens)) / wall, "ms_per_problem": 1000 * wall / n,
-                       "forward_share": timer.seconds / wall, "forwards": timer.calls}
-                rows.append(row)
-                print(f"{Path(path).name} {describe(row)} batch {batch_size}: acc {100 * row['accuracy']:.1f}% | "
-                      f"NFE {row['mean_nfe']:.1f} | {row['tokens_per_s']:.0f} tok/s | "
-                      f"{row['ms_per_problem']:.1f} ms/problem | forward {100 * row['forward_share']:.0f}%",
-                      flush=True)
-            if args.profile:
-                profiles.append({"model": str(path), "family": model.spec.family,
-                                 "attention": model.spec.attention, **options,
-                                 **profile_one(model, tok, prompts[0], args.max_new_tokens, options, timer)})
-    ar = {r["batch_size"]: r["tokens_per_s"] for r in rows if r["family"] == "autoregressive"}
+        for dtype in args.dtypes:
+            model, tok = load_for_inference(path, dtype=getattr(torch, dtype))
+            model = model.to(getattr(torch, dtype))  # modules dlm attaches (the carry LayerNorm) too
+            prompts = [encode_pair(tok, r["prompt"], "")[0] for r in records]
+            timer = ForwardTimer(model)
+            for options in settings(model, args):
+                decode(model, tok, prompts[:2], 2, args.max_new_tokens, options)  # warm-up
+                for batch_size in args.batch_sizes:
+                    timer.reset()
+                    tokens, nfe, wall = decode(model, tok, prompts, batch_size, args.max_new_tokens, options)
+                    correct = grade_programs([tok.decode(t, skip_special_tokens=True) for t in tokens],
+                                             [r["answer"] for r in records])
+                    n = len(records)
+                    row = {"model": str(path), "family": model.spec.family, "attention": model.spec.attention,
+                           "dtype": dtype, **options, "batch_size": batch_size, "n": n, "accuracy": sum(correct) / n,
+                           "mean_nfe": sum(nfe) / n, "tokens": sum(map(len, tokens)), "wall_s": wall,
+                           "tokens_per_s": sum(map(len, tokens)) / wall, "ms_per_problem": 1000 * wall / n,
+                           "forward_share": timer.seconds / wall, "forwards": timer.calls}
+                    rows.append(row)
+                    print(f"{Path(path).name} {describe(row)} batch {batch_size}: acc {100 * row['accuracy']:.1f}% | "
+                          f"NFE {row['mean_nfe']:.1f} | {row['tokens_per_s']:.0f} tok/s | "
+                          f"{row['ms_per_problem']:.1f} ms/problem | forward {100 * row['forward_share']:.0f}%",
+                          flush=True)
+                if args.profile:
+                    profiles.append({"model": str(path), "family": model.spec.family,
+                                     "attention": model.spec.attention, "dtype": dtype, **options,
+                                     **profile_one(model, tok, prompts[0], args.max_new_tokens, options, timer)})
+    ar = {}  # the AR baseline's best tokens/s per batch size, over the dtypes measured
+    for r in rows:
+        if r["family"] == "autoregressive":
+            ar[r["batch_size"]] = max(ar.get(r["batch_size"], 0.0), r["tokens_per_s"])
     for r in rows:
         r["x_ar_tokens_per_s"] = r["tokens_per_s"] / ar[r["batch_size"]] if r["batch_size"] in ar else None
     return {"command": " ".join([os.path.basename(sys.executable)] + sys.argv),
@@ -187,11 +193,12 @@ def run(args) -> dict:
 
 
 def describe(row: dict) -> str:
+    dtype = "" if row.get("dtype", "float32") == "float32" else f", {row['dtype']}"
     if row["family"] == "autoregressive":
-        return "AR (KV cache)"
+        return f"AR (KV cache){dtype}"
     rule = f"tau={row['confidence_threshold']}" if row["policy"] == "threshold" else f"u={row['reveal_count']}"
     cache = row["cache"] or ("kv" if row["kv_cache"] and row["attention"] == "block_causal" else "none")
-    return f"{rule}, block {row['block_size'] or 'full'}, cache {cache}"
+    return f"{rule}, block {row['block_size'] or 'full'}, cache {cache}{dtype}"
 
 
 def markdown(result: dict) -> str:
@@ -228,12 +235,17 @@ def main(argv=None) -> None:
     ap.add_argument("--block-size", type=int, help="masked block size (default: the model's, or the full canvas)")
     ap.add_argument("--cache", default="auto", help=f"comma-separated, from {', '.join(CACHES)} (default: auto)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")
+    ap.add_argument("--dtypes", default="float32", help="comma-separated precisions every model is loaded at, from "
+                    "float32, bfloat16 (default: float32)")
     ap.add_argument("--profile", action="store_true", help="per-step forward/other split of one decoding per setting")
     ap.add_argument("--out", required=True, help="JSON output path; the markdown table goes beside it (.md)")
     args = ap.parse_args(argv)
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     args.tau = [float(t) for t in args.tau.split(",")]
     args.cache = args.cache.split(",")
+    args.dtypes = args.dtypes.split(",")
+    if bad := [d for d in args.dtypes if d not in ("float32", "bfloat16", "float16")]:
+        ap.error(f"--dtypes: unknown {', '.join(bad)}; choose from float32, bfloat16, float16")
     if bad := [c for c in args.cache if c not in CACHES]:
         ap.error(f"--cache: unknown {', '.join(bad)}; choose from {', '.join(CACHES)}")
     if not args.ar and not args.masked:

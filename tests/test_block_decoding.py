@@ -262,3 +262,21 @@ def test_cache_options_reach_the_sampler():
     args = build_parser().parse_args(["eval", "runs/x", "--block-size", "32", "--cache", "prefix", "--no-kv-cache"])
     assert _cache_options(args) == {"kv_cache": False, "cache": "prefix"}
     assert options_for("autoregressive", _cache_options(args)) == {}
+
+
+@pytest.mark.parametrize("carry", [False, True])
+def test_logits_to_keep_is_the_tail_of_the_full_logits(carry):
+    """The decoders' LM-head saving: logits_to_keep=N gives exactly the last N raw outputs (plain and carry paths),
+    and refuses aligned logits, whose first position it would silently drop."""
+    m = _block_model(label_shift=True, carry=carry)
+    ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
+    extra = dict(carry=torch.randn(2, 9, m.config.hidden_size), return_hidden=True) if carry else {}
+    full = m(ids, align=False, **extra)
+    tail = m(ids, align=False, logits_to_keep=5, **extra)
+    if carry:
+        (full, h_full), (tail, h_tail) = full, tail
+        torch.testing.assert_close(h_tail, h_full)
+    assert tail.shape == (2, 5, VOCAB)
+    torch.testing.assert_close(tail, full[:, -5:])
+    with pytest.raises(ValueError, match="align=False"):
+        m(ids, logits_to_keep=5)

@@ -109,14 +109,20 @@ class DiffusionLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 carry: torch.Tensor | None = None, return_hidden: bool = False,
                 embeds_delta: torch.Tensor | None = None, align: bool = True,
-                carry_mask: torch.Tensor | None = None, **kwargs):
+                carry_mask: torch.Tensor | None = None, logits_to_keep: int = 0, **kwargs):
         """Logits [B, L, V]; with `return_hidden`, (logits, last hidden state after the final norm [B, L, d]).
         `carry_mask` [B, L] marks the positions whose carry is passed on (default: the 2-D attention mask; block
         layouts pass only the noised block). `align=False` returns the raw outputs (index i = output at position i) for layouts that map predictions to
         tokens themselves (block diffusion, `dlm.modeling.blocks`).
         `carry` [B, L, d] is the previous step's hidden state (PUMBA Eq. 3.1; needs a model built with a carry);
-        `embeds_delta` [B, L, d] is added to the token embeddings (gradient paths of the discrete bridges)."""
+        `embeds_delta` [B, L, d] is added to the token embeddings (gradient paths of the discrete bridges).
+        `logits_to_keep` N > 0 (with `align=False`) computes the LM head for the last N positions only (decoders that
+        need the logits of one block of a longer pass); hidden states are still returned for every position."""
+        if logits_to_keep and align and self.spec.family != "autoregressive":
+            raise ValueError("logits_to_keep needs align=False: aligned logits would lose their first position")
         if carry is None and not return_hidden and embeds_delta is None:
+            if logits_to_keep:
+                kwargs["logits_to_keep"] = logits_to_keep
             logits = self.backbone(input_ids=input_ids, attention_mask=attention_mask, **kwargs).logits
             hidden = None
         else:
@@ -135,7 +141,7 @@ class DiffusionLM(nn.Module):
             if embeds_delta is not None:
                 embeds = embeds + embeds_delta.to(embeds.dtype)
             hidden = self.backbone.base_model(inputs_embeds=embeds, attention_mask=attention_mask, **kwargs).last_hidden_state
-            logits = self.backbone.get_output_embeddings()(hidden)
+            logits = self.backbone.get_output_embeddings()(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
         if self.spec.family != "autoregressive" and align:
             logits = align_logits(logits, self.spec.label_shift)
         return (logits, hidden) if return_hidden else logits

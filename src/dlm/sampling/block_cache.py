@@ -28,7 +28,10 @@ from dlm.sampling.masked import finished, record_step
 
 
 def _select(layers: list[tuple[torch.Tensor, torch.Tensor]], rows: torch.Tensor) -> DynamicCache:
-    """A fresh DynamicCache holding the given rows of cached (keys, values) per layer."""
+    """A fresh DynamicCache holding the given rows of cached (keys, values) per layer. When every row is kept the
+    tensors are shared, not copied: the cache appends by concatenation, which leaves them untouched."""
+    if len(rows) == len(layers[0][0]):
+        return DynamicCache(list(layers))
     return DynamicCache([(k[rows], v[rows]) for k, v in layers])
 
 
@@ -73,14 +76,17 @@ def decode_block_causal(model, canvas, attention, positions, P, block_size, step
         noised = noised_from(s)[:, :e].expand(len(active), -1)
         mask = block_causal_mask(blocks[active, c:e], noised[:, c:], blocks[active, :e], noised, attention[active, :e],
                                  dtype)
-        inputs = dict(attention_mask=mask, position_ids=positions[active, c:e], cache=cache, use_cache=True)
-        hidden = torch.zeros(len(active), e - c, model.config.hidden_size, device=device)
+        # The LM head runs only where predictions are read: the block, and under label shift the position before it.
+        first = max(s - c - 1, 0) if spec.label_shift else s - c
+        inputs = dict(attention_mask=mask, position_ids=positions[active, c:e], cache=cache, use_cache=True,
+                      logits_to_keep=e - c - first)
+        hidden = torch.zeros(len(active), e - c, model.config.hidden_size, device=device, dtype=dtype)
         raw, hidden = _forward(model, canvas[active, c:e], inputs, hidden, noised[:, c:] if uses_carry else None)
         cache.crop(s - e)  # back to the clean part (a negative count removes that many positions)
         prefix, members = _tensors(cache), active
-        boundary = raw[:, max(s - c - 1, 0)] if spec.label_shift else None
-        carry = hidden[:, s - c :].float() if uses_carry else None
-        rows, logits = active, _block_logits(raw[:, s - c :], boundary, block_size)
+        boundary = raw[:, 0] if spec.label_shift else None  # raw[:, i] is the output at position c + first + i
+        carry = hidden[:, s - c :] if uses_carry else None
+        rows, logits = active, _block_logits(raw[:, s - c - first :], boundary, block_size)
         while True:
             eligible = canvas[rows, s:e] == mask_id
             reveal, confidence = step(canvas, rows, s, logits, eligible)
@@ -101,7 +107,7 @@ def decode_block_causal(model, canvas, attention, positions, P, block_size, step
             raw, hidden = _forward(model, canvas[rows, s:e], inputs, carry[local] if uses_carry else None,
                                    block_noised if uses_carry else None)
             if uses_carry:
-                carry[local] = hidden.float()
+                carry[local] = hidden
             logits = _block_logits(raw, boundary[local] if boundary is not None else None, block_size)
     return nfe
 
