@@ -84,12 +84,14 @@ def intrinsic_metrics(prompts: Sequence[str], generations: Sequence[str], refere
 
 def run_intrinsic(models: Sequence[str | Path], data: str | Path, reference_model: str | Path, *, sampler: dict,
                   n: int | None = None, batch_size: int = 50, max_new_tokens: int = 128, seed: int = 0,
-                  with_mauve: bool = True, out: str | Path | None = None, progress: bool = True) -> dict:
+                  with_mauve: bool = True, out: str | Path | None = None, progress: bool = True,
+                  dtype=None) -> dict:
     """One row per model: its generations for the prompts of `data`, scored by the held-out `reference_model`;
-    the references (the data's responses) get a row too, as the ceiling."""
+    the references (the data's responses) get a row too, as the ceiling. The evaluated models generate at `dtype`
+    (e.g. "bfloat16"); the reference model always scores in float32, so rows stay comparable across dtypes."""
     from dlm.data.sources import read_jsonl
     from dlm.evaluation.tasks import evaluate
-    from dlm.sampling import load_for_inference, options_for
+    from dlm.sampling import dtype_name, load_for_inference, options_for
 
     records = read_jsonl(data, required=("prompt", "response"))
     records = records[:n] if n else records
@@ -100,7 +102,7 @@ def run_intrinsic(models: Sequence[str | Path], data: str | Path, reference_mode
     rows = [{"model": "references", **intrinsic_metrics(prompts, references, references, ref_tok, ref_model, ref_tok,
                                                         batch_size, with_mauve)}]
     for path in models:
-        model, tok = load_for_inference(path)
+        model, tok = load_for_inference(path, dtype=dtype)
         graded = "answer" in records[0]
         r = evaluate(model, tok, records if graded else [{**x, "answer": None} for x in records], batch_size=batch_size,
                      max_new_tokens=max_new_tokens, seed=seed, **options_for(model.spec.family, sampler))
@@ -112,7 +114,8 @@ def run_intrinsic(models: Sequence[str | Path], data: str | Path, reference_mode
         rows.append(row)
         if progress:
             print(json.dumps(row))
-    result = {"data": str(data), "n": len(records), "reference_model": str(reference_model), "rows": rows}
+    result = {"data": str(data), "n": len(records), "reference_model": str(reference_model), "dtype": dtype_name(dtype),
+              "rows": rows}
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(result, indent=2) + "\n")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from dlm.data.sources import read_jsonl
 from dlm.evaluation.tasks import evaluate, trivial_baseline
-from dlm.sampling import load_for_inference, options_for
+from dlm.sampling import dtype_name, load_for_inference, options_for
 
 TASKS = ("tinymath",)
 
@@ -24,9 +24,10 @@ def default_task_file(model_path: str | Path, task: str) -> Path:
 
 def evaluate_model(model_path: str | Path, task: str = "tinymath", data: str | Path | None = None, n: int | None = None,
                    batch_size: int = 50, max_new_tokens: int = 128, temperature: float = 0.0, seed: int = 0,
-                   out: str | Path | None = None, progress: bool = True, **sampler_options) -> dict:
+                   out: str | Path | None = None, progress: bool = True, dtype=None, **sampler_options) -> dict:
     """Accuracy, NFE and timing of a model on a program-answer task; optionally written to `out` (JSON). Masked
-    models take the sampler options (policy, reveal_count, confidence_threshold, block_size)."""
+    models take the sampler options (policy, reveal_count, confidence_threshold, block_size); `dtype` (e.g.
+    "bfloat16") is the precision the model is loaded and run at."""
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
     path = Path(data) if data else default_task_file(model_path, task)
@@ -34,11 +35,12 @@ def evaluate_model(model_path: str | Path, task: str = "tinymath", data: str | P
     if any("answer" not in r for r in records):
         raise ValueError(f"{path}: every record needs an 'answer' field to be graded")
     records = records[:n] if n else records
-    model, tok = load_for_inference(model_path)
+    model, tok = load_for_inference(model_path, dtype=dtype)
     sampler_options = options_for(model.spec.family, sampler_options)
     result = evaluate(model, tok, records, batch_size=batch_size, max_new_tokens=max_new_tokens,
                       temperature=temperature, seed=seed, progress=progress, **sampler_options)
-    result.update({"model": str(model_path), "task": task, "data": str(path), "trivial_baseline": trivial_baseline(records)})
+    result.update({"model": str(model_path), "task": task, "data": str(path), "dtype": dtype_name(dtype),
+                   "trivial_baseline": trivial_baseline(records)})
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(result, indent=2) + "\n")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from dlm.data.sources import read_jsonl
 from dlm.evaluation.tasks import evaluate, trivial_baseline
-from dlm.sampling import SAMPLER_OPTIONS, load_for_inference, options_for
+from dlm.sampling import SAMPLER_OPTIONS, dtype_name, load_for_inference, options_for
 
 SWEEP_KEYS = {"tau": "confidence_threshold", "u": "reveal_count", "steps": "inference_steps", "eta": "guidance_scale"}
 CASTS = {"tau": float, "u": int, "steps": int, "eta": float}
@@ -32,8 +32,9 @@ def parse_sweep(spec: str | None) -> tuple[str | None, list]:
 
 def run_sweep(models: Sequence[str | Path], data: str | Path, *, sampler: dict, sweep: str | None = None,
               n: int | None = None, batch_size: int = 50, max_new_tokens: int = 128, seed: int = 0,
-              progress: bool = True) -> dict:
-    """One row per (model, grid value). AR models ignore the masked sampler's settings and give a single row."""
+              progress: bool = True, dtype=None) -> dict:
+    """One row per (model, grid value). AR models ignore the masked sampler's settings and give a single row.
+    Every model is loaded and run at `dtype` (e.g. "bfloat16"; default float32), recorded in the result."""
     key, values = parse_sweep(sweep)
     records = read_jsonl(data, required=("prompt", "response"))
     if any("answer" not in r for r in records):
@@ -41,7 +42,7 @@ def run_sweep(models: Sequence[str | Path], data: str | Path, *, sampler: dict, 
     records = records[:n] if n else records
     rows = []
     for path in models:
-        model, tok = load_for_inference(path)
+        model, tok = load_for_inference(path, dtype=dtype)
         family = model.spec.family
         for value in values if key in SAMPLER_OPTIONS[family] else [None]:
             options = options_for(family, sampler)
@@ -56,7 +57,8 @@ def run_sweep(models: Sequence[str | Path], data: str | Path, *, sampler: dict, 
                 setting = ", ".join(f"{k}={v}" for k, v in options.items()) or "greedy, KV cache"
                 print(f"{Path(path).name} [{setting}]: accuracy {100 * r['accuracy']:.1f}% | mean NFE {r['mean_nfe']:.1f} "
                       f"| {r['ms_per_problem']:.1f} ms/problem")
-    return {"data": str(data), "n": len(records), "trivial_baseline": trivial_baseline(records), "sweep": sweep, "rows": rows}
+    return {"data": str(data), "n": len(records), "trivial_baseline": trivial_baseline(records), "sweep": sweep,
+            "dtype": dtype_name(dtype), "rows": rows}
 
 
 def plot_sweep(result: dict, out: str | Path, title: str | None = None) -> Path:

@@ -37,35 +37,75 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, eo
     raise NotImplementedError(f"no sampler for model family {family!r} yet")
 
 
+# The precisions a model can be loaded at for decoding (`dlm generate/eval --dtype`).
+DTYPES = ("float32", "bfloat16")
+
+
+def resolve_dtype(dtype):
+    """A torch dtype from a name in DTYPES, a torch dtype, or None (the checkpoint's loader default, float32)."""
+    import torch
+
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    return getattr(torch, dtype)
+
+
+def dtype_name(dtype) -> str:
+    """The name in DTYPES of a dtype given to `load_for_inference` (None: float32), as results record it."""
+    return str(resolve_dtype(dtype) or "float32").removeprefix("torch.")
+
+
+def cast_model(model, dtype):
+    """Parameters and saved buffers of `model` (dlm's own modules on the backbone included) in `dtype`. Derived
+    buffers stay as built: transformers keeps RoPE's inverse frequencies in float32 at any dtype, and rounding
+    them to bfloat16 would shift every rotary angle."""
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            if param.is_floating_point() and param.dtype != dtype:
+                param.data = param.data.to(dtype)  # in place: tied weights stay one tensor
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer.is_floating_point() and name not in module._non_persistent_buffers_set:
+                module._buffers[name] = buffer.to(dtype)
+    return model
+
+
 def load_for_inference(path, dtype=None):
-    """(model, tokenizer) from a dlm model dir, a run dir or a checkpoint dir."""
+    """(model, tokenizer) from a dlm model dir, a run dir or a checkpoint dir; `dtype` (torch dtype or a name in
+    DTYPES) is the precision of the whole model, the modules dlm attaches after loading included."""
     from dlm.data.tokenizer import load_tokenizer
     from dlm.modeling.backbone import DiffusionLM, resolve_model_dir
     from dlm.modeling.spec import ModelSpec
 
+    dtype = resolve_dtype(dtype)
     model_dir = resolve_model_dir(path)
     family = ModelSpec.load(model_dir).family if ModelSpec.exists(model_dir) else None
     if family == "simplex":
         from dlm.modeling.simplex import load_simplex_lm
 
-        return load_simplex_lm(model_dir, dtype=dtype).eval(), load_tokenizer(model_dir)
-    if family == "reward":
+        model = load_simplex_lm(model_dir, dtype=dtype)
+    elif family == "reward":
         from dlm.modeling.reward import load_reward_model
 
-        return load_reward_model(model_dir, dtype=dtype), load_tokenizer(model_dir)
-    model = DiffusionLM.from_pretrained(model_dir, dtype=dtype).eval()
-    return model, load_tokenizer(model_dir)
+        model = load_reward_model(model_dir, dtype=dtype)
+    else:
+        model = DiffusionLM.from_pretrained(model_dir, dtype=dtype)
+    if dtype is not None:
+        cast_model(model, dtype)
+    return model.eval(), load_tokenizer(model_dir)
 
 
 def generate_text(model_path, prompts: Sequence[str], *, max_new_tokens: int = 128, temperature: float = 0.0,
-                  seed: int = 0, show_steps: bool = False, console=None, **options) -> list[dict]:
+                  seed: int = 0, show_steps: bool = False, console=None, dtype=None, **options) -> list[dict]:
     """Generate a response for each prompt (rendered with the model's chat template); returns text and NFE. With
-    `show_steps` a masked model's denoising is rendered step by step in the terminal (TESS 2 Fig. 4 style)."""
+    `show_steps` a masked model's denoising is rendered step by step in the terminal (TESS 2 Fig. 4 style). `dtype`
+    (e.g. "bfloat16") is the precision the model is loaded and run at."""
     import torch
 
     from dlm.data.tokenizer import encode_pair
 
-    model, tok = load_for_inference(model_path)
+    model, tok = load_for_inference(model_path, dtype=dtype)
     masked = model.spec.family == "masked"
     traced = show_steps and model.spec.family in ("masked", "simplex")
     options = options_for(model.spec.family, options)
