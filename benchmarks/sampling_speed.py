@@ -153,8 +153,7 @@ def run(args) -> dict:
     rows, profiles = [], []
     for path in ([args.ar] if args.ar else []) + list(args.masked):
         for dtype in args.dtypes:
-            model, tok = load_for_inference(path, dtype=getattr(torch, dtype))
-            model = model.to(getattr(torch, dtype))  # modules dlm attaches (the carry LayerNorm) too
+            model, tok = load_for_inference(path, dtype=dtype)  # RoPE's inverse frequencies stay float32
             prompts = [encode_pair(tok, r["prompt"], "")[0] for r in records]
             timer = ForwardTimer(model)
             for options in settings(model, args):
