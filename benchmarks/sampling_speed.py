@@ -25,7 +25,8 @@ is measured at that precision too); --threads sets torch's intra-op threads for 
 --profile breaks one decoding per setting (the first problem alone, batch 1) into its steps: time in the model
 forward vs the rest per step, plus torch.profiler's top operators by self CPU time.
 
-Writes JSON (every row, the command, machine, date) to --out and a markdown table beside it (.md).
+Writes JSON (every row, the command, machine, date) to --out, a markdown table beside it (.md) and a plot of
+accuracy against tokens/s, one panel per batch size (.png).
 
     python benchmarks/sampling_speed.py --ar runs/calib-ar-medium --masked runs/medium-mdm-cont \\
         --data runs/calib-ar-medium/data/test.jsonl --n 100 --max-new-tokens 96 --batch-sizes 1,16 \\
@@ -220,6 +221,46 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot(result: dict, path: Path) -> Path:
+    """Accuracy vs tokens/s, one panel per batch size: a point per setting, one colour per model and dtype, the
+    masked settings of a model joined in order of tau."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = sorted({r["batch_size"] for r in result["rows"]})
+    names = list(dict.fromkeys(f"{Path(r['model']).name} {r.get('dtype', 'float32')}" for r in result["rows"]))
+    colour = {name: f"C{i % 10}" for i, name in enumerate(names)}  # the same colour for a model in every panel
+    fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 4.5), squeeze=False)
+    for ax, b in zip(axes[0], batches):
+        groups: dict[str, list[dict]] = {}
+        for r in result["rows"]:
+            if r["batch_size"] == b:
+                groups.setdefault(f"{Path(r['model']).name} {r.get('dtype', 'float32')}", []).append(r)
+        for name, rows in groups.items():
+            rows = sorted(rows, key=lambda r: r.get("confidence_threshold") or 0)
+            ar = rows[0]["family"] == "autoregressive"
+            ax.plot([r["tokens_per_s"] for r in rows], [100 * r["accuracy"] for r in rows],
+                    marker="*" if ar else "o", markersize=12 if ar else 6, linestyle="none" if ar else "-",
+                    color=colour[name],
+                    label=name + (" (AR)" if ar else ""))
+            for r in rows:
+                if r.get("policy") == "threshold":
+                    ax.annotate(f"τ={r['confidence_threshold']}", (r["tokens_per_s"], 100 * r["accuracy"]),
+                                textcoords="offset points", xytext=(4, 4), fontsize=7)
+        ax.set_xlabel("generated tokens/s")
+        ax.set_ylabel("accuracy (%)")
+        ax.set_title(f"batch {b}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{result['n']} problems, {result['machine']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ar", help="AR model (run or model dir): the baseline, with its KV cache")
@@ -254,7 +295,8 @@ def main(argv=None) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     out.with_suffix(".md").write_text(markdown(result))
-    print(f"results: {out}\ntable:   {out.with_suffix('.md')}")
+    png = plot(result, out.with_suffix(".png"))
+    print(f"results: {out}\ntable:   {out.with_suffix('.md')}\nplot:    {png}")
 
 
 if __name__ == "__main__":
