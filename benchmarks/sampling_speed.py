@@ -10,7 +10,8 @@ blocks). For each setting it reports
   ms/problem    decoding wall time / problems
   forward %     share of the wall time spent inside the backbone (transformer + LM head), timed with perf_counter
                 hooks; the rest is Python: policy, sampler and cache bookkeeping, padding, batching
-  x AR          tokens/s of the setting / the AR model's best tokens/s at the same batch size (its fastest dtype)
+  x AR          tokens/s of the setting / the AR model's best tokens/s at the same batch size (its fastest dtype
+                and thread count)
 
 Masked settings: --policy (threshold: Fast-dLLM's tau rule, each --tau value a setting; top_u: --u), --block-size
 (default: the model's own block size for block-causal models, the full canvas otherwise) and --cache, a list of
@@ -20,7 +21,8 @@ Masked settings: --policy (threshold: Fast-dLLM's tau rule, each --tau value a s
   prefix  full canvas only, needs a block size: Fast-dLLM prefix cache (approximate)
   dual    full canvas only, needs a block size: Fast-dLLM dual cache (approximate)
 Settings that do not apply to a model are skipped. --dtypes loads every model at each listed precision (accuracy
-is measured at that precision too); --threads sets torch's intra-op threads for all of them.
+is measured at that precision too); --threads lists torch intra-op thread counts, each measured in turn (one-token
+AR steps may run fastest on fewer threads than 32-token block passes).
 
 --profile breaks one decoding per setting (the first problem alone, batch 1) into its steps: time in the model
 forward vs the rest per step, plus torch.profiler's top operators by self CPU time.
@@ -146,18 +148,18 @@ def profile_one(model, tok, prompt, max_new_tokens, options, timer) -> dict:
 
 
 def run(args) -> dict:
-    torch.set_num_threads(args.threads)
     data = args.data or default_task_file(args.masked[0] if args.masked else args.ar, "tinymath")
     records = read_jsonl(data, required=("prompt",))[: args.n]
     if any("answer" not in r for r in records):
         raise SystemExit(f"{data}: every record needs an 'answer' field to be graded")
-    rows, profiles = [], []
+    rows, profiles, threads_before = [], [], torch.get_num_threads()
     for path in ([args.ar] if args.ar else []) + list(args.masked):
         for dtype in args.dtypes:
             model, tok = load_for_inference(path, dtype=dtype)  # RoPE's inverse frequencies stay float32
             prompts = [encode_pair(tok, r["prompt"], "")[0] for r in records]
             timer = ForwardTimer(model)
-            for options in settings(model, args):
+            for options, threads in [(o, t) for o in settings(model, args) for t in args.threads]:
+                torch.set_num_threads(threads)
                 decode(model, tok, prompts[:2], 2, args.max_new_tokens, options)  # warm-up
                 for batch_size in args.batch_sizes:
                     timer.reset()
@@ -166,7 +168,8 @@ def run(args) -> dict:
                                              [r["answer"] for r in records])
                     n = len(records)
                     row = {"model": str(path), "family": model.spec.family, "attention": model.spec.attention,
-                           "dtype": dtype, **options, "batch_size": batch_size, "n": n, "accuracy": sum(correct) / n,
+                           "dtype": dtype, "threads": threads, **options, "batch_size": batch_size, "n": n,
+                           "accuracy": sum(correct) / n,
                            "mean_nfe": sum(nfe) / n, "tokens": sum(map(len, tokens)), "wall_s": wall,
                            "tokens_per_s": sum(map(len, tokens)) / wall, "ms_per_problem": 1000 * wall / n,
                            "forward_share": timer.seconds / wall, "forwards": timer.calls}
@@ -177,9 +180,11 @@ def run(args) -> dict:
                           flush=True)
                 if args.profile:
                     profiles.append({"model": str(path), "family": model.spec.family,
-                                     "attention": model.spec.attention, "dtype": dtype, **options,
+                                     "attention": model.spec.attention, "dtype": dtype, "threads": threads,
+                                     **options,
                                      **profile_one(model, tok, prompts[0], args.max_new_tokens, options, timer)})
-    ar = {}  # the AR baseline's best tokens/s per batch size, over the dtypes measured
+    torch.set_num_threads(threads_before)
+    ar = {}  # the AR baseline's best tokens/s per batch size, over the dtypes and thread counts measured
     for r in rows:
         if r["family"] == "autoregressive":
             ar[r["batch_size"]] = max(ar.get(r["batch_size"], 0.0), r["tokens_per_s"])
@@ -187,13 +192,15 @@ def run(args) -> dict:
         r["x_ar_tokens_per_s"] = r["tokens_per_s"] / ar[r["batch_size"]] if r["batch_size"] in ar else None
     return {"command": " ".join([os.path.basename(sys.executable)] + sys.argv),
             "date": datetime.date.today().isoformat(),
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {args.threads} thread(s)",
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+                       f"{'/'.join(map(str, args.threads))} thread(s)",
             "data": str(data), "n": len(records), "max_new_tokens": args.max_new_tokens, "rows": rows,
             "profiles": profiles}
 
 
 def describe(row: dict) -> str:
     dtype = "" if row.get("dtype", "float32") == "float32" else f", {row['dtype']}"
+    dtype += f", {row['threads']} thr" if "threads" in row else ""
     if row["family"] == "autoregressive":
         return f"AR (KV cache){dtype}"
     rule = f"tau={row['confidence_threshold']}" if row["policy"] == "threshold" else f"u={row['reveal_count']}"
@@ -221,6 +228,10 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _series(row: dict) -> str:
+    return f"{Path(row['model']).name} {row.get('dtype', 'float32')}, {row.get('threads', 1)} thr"
+
+
 def plot(result: dict, path: Path) -> Path:
     """Accuracy vs tokens/s, one panel per batch size: a point per setting, one colour per model and dtype, the
     masked settings of a model joined in order of tau."""
@@ -230,14 +241,14 @@ def plot(result: dict, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     batches = sorted({r["batch_size"] for r in result["rows"]})
-    names = list(dict.fromkeys(f"{Path(r['model']).name} {r.get('dtype', 'float32')}" for r in result["rows"]))
+    names = list(dict.fromkeys(_series(r) for r in result["rows"]))
     colour = {name: f"C{i % 10}" for i, name in enumerate(names)}  # the same colour for a model in every panel
     fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 4.5), squeeze=False)
     for ax, b in zip(axes[0], batches):
         groups: dict[str, list[dict]] = {}
         for r in result["rows"]:
             if r["batch_size"] == b:
-                groups.setdefault(f"{Path(r['model']).name} {r.get('dtype', 'float32')}", []).append(r)
+                groups.setdefault(_series(r), []).append(r)
         for name, rows in groups.items():
             rows = sorted(rows, key=lambda r: r.get("confidence_threshold") or 0)
             ar = rows[0]["family"] == "autoregressive"
@@ -274,7 +285,7 @@ def main(argv=None) -> None:
     ap.add_argument("--u", type=int, default=2, help="top_u policy: positions revealed per step (default: 2)")
     ap.add_argument("--block-size", type=int, help="masked block size (default: the model's, or the full canvas)")
     ap.add_argument("--cache", default="auto", help=f"comma-separated, from {', '.join(CACHES)} (default: auto)")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")
+    ap.add_argument("--threads", default="1", help="comma-separated torch thread counts (default: 1)")
     ap.add_argument("--dtypes", default="float32", help="comma-separated precisions every model is loaded at, from "
                     "float32, bfloat16 (default: float32)")
     ap.add_argument("--profile", action="store_true", help="per-step forward/other split of one decoding per setting")
@@ -284,6 +295,7 @@ def main(argv=None) -> None:
     args.tau = [float(t) for t in args.tau.split(",")]
     args.cache = args.cache.split(",")
     args.dtypes = args.dtypes.split(",")
+    args.threads = [int(t) for t in args.threads.split(",")]
     if bad := [d for d in args.dtypes if d not in ("float32", "bfloat16", "float16")]:
         ap.error(f"--dtypes: unknown {', '.join(bad)}; choose from float32, bfloat16, float16")
     if bad := [c for c in args.cache if c not in CACHES]:

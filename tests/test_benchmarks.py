@@ -20,19 +20,20 @@ def test_sampling_speed_rows_ratios_and_outputs(saved, tmp_path):  # noqa: F811
     sampling_speed.main(["--ar", str(saved["ar"][1]), "--masked", str(saved["block_carry"][1]),
                          "--data", str(_data(tmp_path, n=4)), "--n", "4", "--max-new-tokens", "8",
                          "--batch-sizes", "1,2", "--tau", "0.5,0.9", "--cache", "kv,none",
-                         "--dtypes", "float32,bfloat16", "--out", str(out)])
+                         "--dtypes", "float32,bfloat16", "--threads", "1,2", "--out", str(out)])
     result = json.loads(out.read_text())
     rows = result["rows"]
     ar = [r for r in rows if r["family"] == "autoregressive"]
     block = [r for r in rows if r["family"] == "masked"]
-    assert len(ar) == 2 * 2 and len(block) == 2 * 2 * 2 * 2  # dtypes x batches (x tau x cache)
+    assert len(ar) == 2 * 2 * 2 and len(block) == 2 * 2 * 2 * 2 * 2  # dtypes x threads x batches (x tau x cache)
+    assert {r["threads"] for r in rows} == {1, 2}
     for b in (1, 2):
         best = max(r["tokens_per_s"] for r in ar if r["batch_size"] == b)
         for r in rows:
             if r["batch_size"] == b:
                 assert r["x_ar_tokens_per_s"] == pytest.approx(r["tokens_per_s"] / best)
     # the exact cache and recomputation decode the same tokens with the same NFE (per dtype, tau, batch)
-    key = lambda r: (r["dtype"], r["confidence_threshold"], r["batch_size"])  # noqa: E731
+    key = lambda r: (r["dtype"], r["threads"], r["confidence_threshold"], r["batch_size"])  # noqa: E731
     kv = {key(r): (r["tokens"], r["mean_nfe"], r["accuracy"]) for r in block if r["kv_cache"]}
     none = {key(r): (r["tokens"], r["mean_nfe"], r["accuracy"]) for r in block if not r["kv_cache"]}
     assert kv.keys() == none.keys() and all(kv[k] == none[k] for k in kv if k[0] == "float32")
