@@ -243,7 +243,7 @@ def plot(result: dict, path: Path) -> Path:
     batches = sorted({r["batch_size"] for r in result["rows"]})
     names = list(dict.fromkeys(_series(r) for r in result["rows"]))
     colour = {name: f"C{i % 10}" for i, name in enumerate(names)}  # the same colour for a model in every panel
-    fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 4.5), squeeze=False)
+    fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches) + 3, 4.5), squeeze=False)
     for ax, b in zip(axes[0], batches):
         groups: dict[str, list[dict]] = {}
         for r in result["rows"]:
@@ -264,7 +264,7 @@ def plot(result: dict, path: Path) -> Path:
         ax.set_ylabel("accuracy (%)")
         ax.set_title(f"batch {b}")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+    axes[0][-1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))  # outside: points stay visible
     fig.suptitle(f"{result['n']} problems, {result['machine']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
