@@ -30,6 +30,17 @@ def tiny_model(vocab: int, attention: str = "causal", family: str = "autoregress
     return DiffusionLM(backbone, ModelSpec(family=family, attention=attention, label_shift=label_shift)).eval()
 
 
+
+def perturb(m, seed: int = 1):
+    """Large random weights (std 0.5 on every matrix) for tiny samplers' tests: varied tokens and confidences spread
+    over (0.2, 0.9) instead of a near-uniform untrained model."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return m
+
 @pytest.fixture
 def one_thread():
     """Tiny models are latency-bound: one torch thread is faster, and much faster when the 2 cores are shared."""

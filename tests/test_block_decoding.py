@@ -8,23 +8,13 @@ import torch
 from dlm.modeling.blocks import block_causal_mask
 from dlm.modeling.carry import CARRY_MODULE, attach_carry
 from dlm.sampling.masked import candidates, generate, make_rule
-from tests.conftest import assert_batched_equals_one_by_one, tiny_model
+from tests.conftest import assert_batched_equals_one_by_one, perturb, tiny_model
 
 PAD, EOS, MASK, VOCAB = 0, 1, 2, 40
 NEVER = 99  # an EOS id outside the vocabulary: never produced
 POLICIES = (("top_u", dict(reveal_count=2)), ("threshold", dict(confidence_threshold=0.6)))
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def _perturb(m, seed):
-    """Large random weights: varied tokens and confidences (as in test_masked_sampler)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in m.parameters():
-            if p.dim() == 2:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-    return m
 
 
 def _block_model(label_shift=False, carry=False, seed=1, block_size=4):
@@ -37,12 +27,12 @@ def _block_model(label_shift=False, carry=False, seed=1, block_size=4):
         with torch.no_grad():  # not the identity-free zero init: the carry must change the outputs
             norm.weight.copy_(1 + torch.randn(norm.weight.shape, generator=g))
             norm.bias.copy_(torch.randn(norm.bias.shape, generator=g))
-    return _perturb(m, seed)
+    return perturb(m, seed)
 
 
 def _full_model(label_shift=False, seed=1):
-    return _perturb(tiny_model(VOCAB, attention="bidirectional", family="masked", label_shift=label_shift,
-                               seed=seed), seed)
+    return perturb(tiny_model(VOCAB, attention="bidirectional", family="masked", label_shift=label_shift,
+                              seed=seed), seed)
 
 
 def _prompts(lengths=(3, 7, 5)):

@@ -11,23 +11,13 @@ import torch
 from dlm.modeling.carry import CARRY_MODULE, attach_carry
 from dlm.modeling.simplex import TIMESTEP_EMBEDDING
 from dlm.sampling import cast_model, generate, load_for_inference
-from tests.conftest import tiny_model
+from tests.conftest import perturb, tiny_model
 from tests.test_simplex import simplex_model
 
 BF16 = torch.bfloat16
 NEVER = 10**6  # an EOS id outside the vocabulary: never produced
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def _perturb(m, seed=1):
-    """Large random weights: varied tokens and confidences (as in test_masked_sampler)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in m.parameters():
-            if p.dim() == 2:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-    return m
 
 
 def _spec_tokens(m, tok):
@@ -37,11 +27,11 @@ def _spec_tokens(m, tok):
 
 
 def _ar(tok):
-    return _perturb(tiny_model(len(tok)))
+    return perturb(tiny_model(len(tok)))
 
 
 def _masked(tok):
-    return _perturb(_spec_tokens(tiny_model(len(tok), attention="bidirectional", family="masked"), tok))
+    return perturb(_spec_tokens(tiny_model(len(tok), attention="bidirectional", family="masked"), tok))
 
 
 def _block_carry(tok, block_size=4):
@@ -52,7 +42,7 @@ def _block_carry(tok, block_size=4):
     with torch.no_grad():  # not the zero init: the carry must reach the outputs
         norm.weight.copy_(1 + torch.randn(norm.weight.shape, generator=g))
         norm.bias.copy_(torch.randn(norm.bias.shape, generator=g))
-    return _perturb(m)
+    return perturb(m)
 
 
 def _simplex(tok):

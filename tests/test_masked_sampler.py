@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from tests.conftest import assert_batched_equals_one_by_one, tiny_model
+from tests.conftest import assert_batched_equals_one_by_one, perturb, tiny_model
 from dlm.sampling.masked import generate
 
 PAD, EOS, MASK, VOCAB = 0, 1, 2, 40
@@ -17,13 +17,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: latency-bound
 
 def _model(label_shift=False, seed=1):
     """A tiny bidirectional model with large random weights: varied tokens and confidences spread over (0.2, 0.9)."""
-    m = tiny_model(VOCAB, attention="bidirectional", family="masked", label_shift=label_shift, seed=seed)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in m.parameters():
-            if p.dim() == 2:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-    return m
+    return perturb(tiny_model(VOCAB, attention="bidirectional", family="masked", label_shift=label_shift, seed=seed),
+                   seed)
 
 
 def _prompts(lengths=(3, 7, 5)):
