@@ -53,7 +53,7 @@ from dlm.data.sources import read_jsonl
 from dlm.data.tokenizer import encode_pair
 from dlm.evaluation.run import default_task_file
 from dlm.evaluation.tasks import grade_programs
-from dlm.sampling import generate, load_for_inference
+from dlm.sampling import DTYPES, generate, load_for_inference
 
 CACHES = ("auto", "kv", "none", "prefix", "dual")
 
@@ -169,8 +169,7 @@ def run(args) -> dict:
                     n = len(records)
                     row = {"model": str(path), "family": model.spec.family, "attention": model.spec.attention,
                            "dtype": dtype, "threads": threads, **options, "batch_size": batch_size, "n": n,
-                           "accuracy": sum(correct) / n,
-                           "mean_nfe": sum(nfe) / n, "tokens": sum(map(len, tokens)), "wall_s": wall,
+                           "accuracy": sum(correct) / n, "mean_nfe": sum(nfe) / n, "tokens": sum(map(len, tokens)), "wall_s": wall,
                            "tokens_per_s": sum(map(len, tokens)) / wall, "ms_per_problem": 1000 * wall / n,
                            "forward_share": timer.seconds / wall, "forwards": timer.calls}
                     rows.append(row)
@@ -233,7 +232,7 @@ def _series(row: dict) -> str:
 
 
 def plot(result: dict, path: Path) -> Path:
-    """Accuracy vs tokens/s, one panel per batch size: a point per setting, one colour per model and dtype, the
+    """Accuracy vs tokens/s, one panel per batch size: a point per setting, one colour per (model, dtype, threads), the
     masked settings of a model joined in order of tau."""
     import matplotlib
 
@@ -254,8 +253,7 @@ def plot(result: dict, path: Path) -> Path:
             ar = rows[0]["family"] == "autoregressive"
             ax.plot([r["tokens_per_s"] for r in rows], [100 * r["accuracy"] for r in rows],
                     marker="*" if ar else "o", markersize=12 if ar else 6, linestyle="none" if ar else "-",
-                    color=colour[name],
-                    label=name + (" (AR)" if ar else ""))
+                    color=colour[name], label=name + (" (AR)" if ar else ""))
             for r in rows:
                 if r.get("policy") == "threshold":
                     ax.annotate(f"τ={r['confidence_threshold']}", (r["tokens_per_s"], 100 * r["accuracy"]),
@@ -286,18 +284,18 @@ def main(argv=None) -> None:
     ap.add_argument("--block-size", type=int, help="masked block size (default: the model's, or the full canvas)")
     ap.add_argument("--cache", default="auto", help=f"comma-separated, from {', '.join(CACHES)} (default: auto)")
     ap.add_argument("--threads", default="1", help="comma-separated torch thread counts (default: 1)")
-    ap.add_argument("--dtypes", default="float32", help="comma-separated precisions every model is loaded at, from "
-                    "float32, bfloat16 (default: float32)")
+    ap.add_argument("--dtypes", default="float32", help=f"comma-separated precisions every model is loaded at, from "
+                    f"{', '.join(DTYPES)} (default: float32)")
     ap.add_argument("--profile", action="store_true", help="per-step forward/other split of one decoding per setting")
-    ap.add_argument("--out", required=True, help="JSON output path; the markdown table goes beside it (.md)")
+    ap.add_argument("--out", required=True, help="JSON output path; the table (.md) and plot (.png) go beside it")
     args = ap.parse_args(argv)
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     args.tau = [float(t) for t in args.tau.split(",")]
     args.cache = args.cache.split(",")
     args.dtypes = args.dtypes.split(",")
     args.threads = [int(t) for t in args.threads.split(",")]
-    if bad := [d for d in args.dtypes if d not in ("float32", "bfloat16", "float16")]:
-        ap.error(f"--dtypes: unknown {', '.join(bad)}; choose from float32, bfloat16, float16")
+    if bad := [d for d in args.dtypes if d not in DTYPES]:
+        ap.error(f"--dtypes: unknown {', '.join(bad)}; choose from {', '.join(DTYPES)}")
     if bad := [c for c in args.cache if c not in CACHES]:
         ap.error(f"--cache: unknown {', '.join(bad)}; choose from {', '.join(CACHES)}")
     if not args.ar and not args.masked:

@@ -29,7 +29,7 @@ from dlm.sampling.masked import finished, record_step
 
 def _select(layers: list[tuple[torch.Tensor, torch.Tensor]], rows: torch.Tensor) -> DynamicCache:
     """A fresh DynamicCache holding the given rows of cached (keys, values) per layer. When every row is kept the
-    tensors are shared, not copied: the cache appends by concatenation, which leaves them untouched."""
+    row indexing (a copy) is skipped; the cache's own first append copies once and never writes to `layers`."""
     if len(rows) == len(layers[0][0]):
         return DynamicCache(list(layers))
     return DynamicCache([(k[rows], v[rows]) for k, v in layers])
