@@ -20,14 +20,18 @@ def tiny_tokenizer(tmp_path_factory):
     return train_bpe_tokenizer(texts, 300, cache_dir=tmp_path_factory.mktemp("tok"))
 
 
-def tiny_model(vocab: int, attention: str = "causal", family: str = "autoregressive", label_shift: bool = False, seed: int = 0,
-               arch: str = "llama"):
-    from dlm.modeling.backbone import DiffusionLM, build_backbone
+def tiny_model(vocab: int, attention: str = "causal", family: str = "autoregressive", label_shift: bool = False,
+               seed: int = 0, arch: str = "llama", **spec):
+    """A `nano` model through the one assembly path (`dlm.modeling.build`), with the extras its spec names; `spec`
+    takes any other ModelSpec field (block-causal models default to blocks of 4)."""
+    from dlm.modeling.build import build
     from dlm.modeling.spec import ModelSpec
 
+    if attention == "block_causal":
+        spec.setdefault("block_size", 4)
     torch.manual_seed(seed)
-    backbone = build_backbone(arch, "nano", vocab, 128, attention)
-    return DiffusionLM(backbone, ModelSpec(family=family, attention=attention, label_shift=label_shift)).eval()
+    model_spec = ModelSpec(family=family, attention=attention, label_shift=label_shift, **spec)
+    return build(model_spec, arch=arch, preset="nano", vocab_size=vocab, max_positions=128).eval()
 
 
 

@@ -1,7 +1,8 @@
 import torch
 
 from tests.conftest import tiny_model
-from dlm.modeling.backbone import DiffusionLM, align_logits, build_backbone, load_backbone
+from dlm.modeling.backbone import align_logits, build_backbone, load_backbone
+from dlm.modeling.build import load_model
 
 
 def _changes_first_position(model, vocab=100):
@@ -23,7 +24,7 @@ def test_bidirectional_really_is(tmp_path):
     # survives save / reload
     m = tiny_model(100, attention="bidirectional", family="masked")
     m.save_pretrained(tmp_path / "m")
-    assert _changes_first_position(DiffusionLM.from_pretrained(tmp_path / "m"))
+    assert _changes_first_position(load_model(tmp_path / "m"))
 
 
 def test_architectures_build():
@@ -49,7 +50,7 @@ def test_save_load_round_trip(tmp_path):
     m.spec.mask_token_id = 2
     m.save_pretrained(tmp_path / "m")
     assert (tmp_path / "m" / "dlm.json").is_file()
-    r = DiffusionLM.from_pretrained(tmp_path / "m")
+    r = load_model(tmp_path / "m")
     assert r.spec == m.spec
     x = torch.randint(0, 70, (2, 9))
     with torch.no_grad():
@@ -61,5 +62,5 @@ def test_plain_hf_checkpoint_loads_with_attention_override(tmp_path):
     hf.save_pretrained(tmp_path / "hf")  # no dlm.json: any local HF causal LM
     b = load_backbone(tmp_path / "hf", attention="bidirectional")
     assert b.config.is_causal is False
-    m = DiffusionLM.from_pretrained(tmp_path / "hf")
+    m = load_model(tmp_path / "hf")
     assert m.spec.family == "autoregressive"

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dlm.modeling.blocks import block_causal_mask
-from dlm.modeling.carry import CARRY_MODULE, attach_carry
+from dlm.modeling.carry import CARRY_MODULE
 from dlm.sampling.masked import candidates, generate, make_rule
 from tests.conftest import assert_batched_equals_one_by_one, perturb, tiny_model
 
@@ -18,11 +18,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _block_model(label_shift=False, carry=False, seed=1, block_size=4):
-    m = tiny_model(VOCAB, attention="block_causal", family="masked", label_shift=label_shift, seed=seed)
-    m.spec.block_size, m.spec.mask_token_id = block_size, MASK
+    m = tiny_model(VOCAB, attention="block_causal", family="masked", label_shift=label_shift, seed=seed,
+                   block_size=block_size, mask_token_id=MASK, carry=carry)
     if carry:
-        norm = attach_carry(m.backbone)
-        m.spec.carry = True
+        norm = getattr(m.backbone, CARRY_MODULE)
         g = torch.Generator().manual_seed(seed + 100)
         with torch.no_grad():  # not the identity-free zero init: the carry must change the outputs
             norm.weight.copy_(1 + torch.randn(norm.weight.shape, generator=g))

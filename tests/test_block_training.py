@@ -17,13 +17,11 @@ EOS, PAD, MASK = 2, 0, 63
 
 
 def block_model(label_shift=True, block_size=4, seed=0, carry=False):
-    model = tiny_model(64, attention="block_causal", family="masked", label_shift=label_shift, seed=seed)
-    model.spec.block_size, model.spec.mask_token_id, model.spec.eos_token_id = block_size, MASK, EOS
+    model = tiny_model(64, attention="block_causal", family="masked", label_shift=label_shift, seed=seed,
+                       block_size=block_size, mask_token_id=MASK, eos_token_id=EOS, carry=carry)
     if carry:
-        from dlm.modeling.carry import CARRY_MODULE, attach_carry
+        from dlm.modeling.carry import CARRY_MODULE
 
-        attach_carry(model.backbone)
-        model.spec.carry = True
         torch.manual_seed(seed + 1)
         with torch.no_grad():  # a trained-looking carry layer, not the identity of a fresh one
             getattr(model.backbone, CARRY_MODULE).weight.normal_()

@@ -8,9 +8,10 @@ import math
 import pytest
 import torch
 
-from dlm.modeling.carry import CARRY_MODULE, attach_carry
+from dlm.modeling.carry import CARRY_MODULE
 from dlm.modeling.simplex import TIMESTEP_EMBEDDING
-from dlm.sampling import cast_model, generate, load_for_inference
+from dlm.modeling.build import cast_model
+from dlm.sampling import generate, load_for_inference
 from tests.conftest import perturb, tiny_model
 from tests.test_simplex import simplex_model
 
@@ -35,9 +36,9 @@ def _masked(tok):
 
 
 def _block_carry(tok, block_size=4):
-    m = _spec_tokens(tiny_model(len(tok), attention="block_causal", family="masked", label_shift=True), tok)
-    m.spec = m.spec.model_copy(update={"block_size": block_size, "carry": True})
-    norm = attach_carry(m.backbone)
+    m = _spec_tokens(tiny_model(len(tok), attention="block_causal", family="masked", label_shift=True,
+                                block_size=block_size, carry=True), tok)
+    norm = getattr(m.backbone, CARRY_MODULE)
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():  # not the zero init: the carry must reach the outputs
         norm.weight.copy_(1 + torch.randn(norm.weight.shape, generator=g))
@@ -74,14 +75,9 @@ def assert_in_dtype(model, dtype=BF16):
 @pytest.fixture(scope="module")
 def saved(tiny_tokenizer, tmp_path_factory):
     """The four generating families plus a reward model, saved as dlm model directories (float32 on disk)."""
-    from dlm.modeling.reward import add_reward_head
-    from dlm.modeling.spec import ModelSpec
-
     root = tmp_path_factory.mktemp("dtype")
     tok = tiny_tokenizer
-    reward = tiny_model(len(tok))
-    reward.spec = ModelSpec(family="reward", eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    add_reward_head(reward)
+    reward = tiny_model(len(tok), family="reward", eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     models = {"ar": _ar(tok), "masked": _masked(tok), "block_carry": _block_carry(tok), "simplex": _simplex(tok),
               "reward": reward}
     return {name: (m, _save(m, tok, root / name)) for name, m in models.items()}
@@ -113,8 +109,7 @@ def test_dtype_by_name_default_and_errors(saved):
 
 
 def test_cast_model_reaches_attached_modules_and_keeps_ties():
-    m = tiny_model(40, attention="block_causal", family="masked")
-    attach_carry(m.backbone)  # attached in float32 after the backbone was built
+    m = tiny_model(40, attention="block_causal", family="masked", carry=True)  # built in float32
     cast_model(m, BF16)
     assert_in_dtype(m)
     assert m.backbone.get_input_embeddings().weight is m.backbone.get_output_embeddings().weight

@@ -14,11 +14,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: latency-bound
 
 def reward_model(vocab=40, seed=1):
     from tests.conftest import tiny_model
-    from dlm.modeling.reward import add_reward_head
 
-    m = tiny_model(vocab, "causal", "reward", seed=seed)
-    m.spec = m.spec.model_copy(update={"eos_token_id": 1, "pad_token_id": 0})
-    return add_reward_head(m).eval()
+    return tiny_model(vocab, "causal", "reward", seed=seed, eos_token_id=1, pad_token_id=0)
 
 
 def test_a_guidance_step_raises_the_reward():

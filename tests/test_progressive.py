@@ -11,8 +11,8 @@ from tests.conftest import tiny_model
 from dlm.config import ProgressiveConfig
 from dlm.data.canvas import Example, collate
 from dlm.diffusion.masking import loss_weight
-from dlm.modeling.backbone import DiffusionLM
-from dlm.modeling.carry import CARRY_MODULE, attach_carry
+from dlm.modeling.build import load_model
+from dlm.modeling.carry import CARRY_MODULE
 from dlm.sampling.masked import generate
 from dlm.training.objectives.progressive import ProgressiveObjective, student_forcing_ratio
 from dlm.training.trajectories import StageConstruction, ThresholdConstruction, TrajectoryPool, stage_count
@@ -159,10 +159,8 @@ def test_pool_state_roundtrip():
 
 # ---- the carry --------------------------------------------------------------------------------------------------
 def _carry_model(seed=0, label_shift=False, positions="all"):
-    m = tiny_model(VOCAB, attention="bidirectional", family="masked", label_shift=label_shift, seed=seed)
-    m.spec = m.spec.model_copy(update={"carry": True, "mask_token_id": MASK, "carry_positions": positions})
-    attach_carry(m.backbone)
-    return m
+    return tiny_model(VOCAB, attention="bidirectional", family="masked", label_shift=label_shift, seed=seed,
+                      carry=True, mask_token_id=MASK, carry_positions=positions)
 
 
 def test_fresh_carry_layer_is_the_identity():
@@ -200,7 +198,7 @@ def test_carry_model_save_load_roundtrip(tmp_path):
     with torch.no_grad():
         getattr(m.backbone, CARRY_MODULE).weight.normal_()
     m.save_pretrained(tmp_path / "m")
-    back = DiffusionLM.from_pretrained(tmp_path / "m").eval()
+    back = load_model(tmp_path / "m")
     ids = torch.randint(3, VOCAB, (1, 6))
     carry = torch.randn(1, 6, m.config.hidden_size)
     with torch.no_grad():

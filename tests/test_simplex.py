@@ -13,12 +13,9 @@ from dlm.diffusion.simplex import (cosine_alpha_bar, from_simplex, inference_tim
 
 def simplex_model(vocab=40, label_shift=True, self_conditioning=True, T=100, k=5.0, seed=0):
     from tests.conftest import tiny_model
-    from dlm.modeling.simplex import add_timestep_embedding
 
-    m = tiny_model(vocab, "bidirectional", "simplex", label_shift=label_shift, seed=seed)
-    m.spec = m.spec.model_copy(update={"simplex_k": k, "simplex_timesteps": T, "self_conditioning": self_conditioning,
-                                       "eos_token_id": 1, "pad_token_id": 0})
-    add_timestep_embedding(m)
+    m = tiny_model(vocab, "bidirectional", "simplex", label_shift=label_shift, seed=seed, simplex_k=k,
+                   simplex_timesteps=T, self_conditioning=self_conditioning, eos_token_id=1, pad_token_id=0)
     with torch.no_grad():  # non-zero, so that the timestep input matters in these tests
         torch.nn.init.normal_(m.backbone.dlm_timestep_embedding.weight, std=0.5)
     return m

@@ -89,15 +89,15 @@ def test_resume_after_crash_during_checkpoint_equals_uninterrupted(tmp_path, obj
 
 
 def test_ema_and_final_model(tmp_path):
-    from dlm.modeling.backbone import DiffusionLM
+    from dlm.modeling.build import load_model
 
     run = train(small_recipe(tmp_path / "ema", tmp_path / "data", "train.ema_decay=0.5", "train.steps=4"), progress=False)
-    final = DiffusionLM.from_pretrained(run / "model")
+    final = load_model(run / "model")
     trainer_state = torch.load(ckpt.latest(run / "checkpoints") / "trainer.pt", weights_only=False)
     shadow = trainer_state["ema"]["shadow"]
     w = final.backbone.state_dict()["model.layers.0.mlp.up_proj.weight"]
     assert torch.equal(w, shadow["backbone.model.layers.0.mlp.up_proj.weight"])
-    raw = DiffusionLM.from_pretrained(ckpt.latest(run / "checkpoints") / "model")
+    raw = load_model(ckpt.latest(run / "checkpoints") / "model")
     assert not torch.equal(w, raw.backbone.state_dict()["model.layers.0.mlp.up_proj.weight"])
     assert (run / "eval.json").is_file() and (run / "model" / "tokenizer.json").is_file()
 
@@ -154,6 +154,7 @@ def test_train_from_local_hf_checkpoint_on_jsonl(tmp_path, tiny_tokenizer):
     from transformers import PreTrainedTokenizerFast
 
     from dlm.modeling.backbone import DiffusionLM, build_backbone
+    from dlm.modeling.build import load_model
 
     bare = PreTrainedTokenizerFast(tokenizer_object=tiny_tokenizer.backend_tokenizer, eos_token="<|eos|>",
                                    pad_token="<|pad|>")
@@ -166,7 +167,7 @@ def test_train_from_local_hf_checkpoint_on_jsonl(tmp_path, tiny_tokenizer):
                                 f"model.init_from={tmp_path / 'hf'}", "model.tokenizer=ignored-when-init-from-has-one",
                                 "train.steps=3", "train.batch_size=4", "train.log_every=1"])
     run = train(recipe, progress=False)
-    model = DiffusionLM.from_pretrained(run / "model")
+    model = load_model(run / "model")
     assert model.config.model_type == "qwen2"
     assert model.backbone.get_input_embeddings().weight.shape[0] >= len(bare) + 1  # room for the added mask token
     assert model.spec.mask_token_id is not None and len(losses(run)) == 3

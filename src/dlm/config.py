@@ -9,6 +9,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from dlm.modeling.spec import ModelSpec
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -260,3 +262,25 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] | None = No
 
 def dump_recipe(recipe: Recipe) -> str:
     return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)
+
+
+# The model family each objective trains.
+FAMILIES = {"autoregressive": "autoregressive", "mdm": "masked", "pu": "masked", "simplex": "simplex", "reward": "reward"}
+
+
+def model_spec(recipe: Recipe, mask_token_id: int | None, eos_token_id: int | None,
+               pad_token_id: int | None) -> ModelSpec:
+    """The ModelSpec a recipe trains: the family its objective trains, attention, label shift, the tokenizer's
+    special tokens, and the extras its settings name (PUMBA's carry; TESS 2's simplex k, T and self-conditioning)."""
+    m, family = recipe.model, FAMILIES[recipe.train.objective]
+    attention = "causal" if family == "autoregressive" else m.attention
+    fields = dict(family=family, attention=attention, label_shift=m.label_shift, mask_token_id=mask_token_id,
+                  eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                  block_size=m.block_size if attention == "block_causal" else None)
+    if recipe.train.objective == "pu" and recipe.progressive.carry:  # PUMBA Eq. 3.1
+        fields.update(carry=True, carry_positions=recipe.progressive.carry_positions)
+    if family == "simplex":  # TESS 2: k, T and self-conditioning travel with the model
+        s = recipe.simplex
+        fields.update(simplex_k=s.simplex_value, simplex_timesteps=s.timesteps,
+                      self_conditioning=s.self_condition_prob > 0)
+    return ModelSpec(**fields)

@@ -15,6 +15,8 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
+from dlm.errors import ModelNotFoundError
+from dlm.modeling.carry import CARRY_MODULE, carry_input
 from dlm.modeling.spec import Attention, ModelSpec
 
 hf_logging.disable_progress_bar()
@@ -60,7 +62,7 @@ def load_backbone(path: str | Path, attention: Attention | None = None, dtype: t
     """Any local HF causal-LM checkpoint; `attention` overrides the checkpoint's own mode."""
     path = Path(path)
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path}: not a Hugging Face checkpoint (no config.json)")
+        raise ModelNotFoundError(f"{path}: not a Hugging Face checkpoint (no config.json)")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32)
     if attention is not None:
         set_attention(model, attention)
@@ -78,6 +80,11 @@ def align_logits(logits: torch.Tensor, label_shift: bool) -> torch.Tensor:
     if not label_shift:
         return logits
     return torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model inside a DDP / accelerate wrapper (or the model itself)."""
+    return getattr(model, "module", model)
 
 
 def count_parameters(model: nn.Module, exclude_embeddings: bool = False) -> int:
@@ -130,8 +137,6 @@ class DiffusionLM(nn.Module):
             if carry is not None:
                 if not self.spec.carry:
                     raise ValueError("this model has no carry layer (build it with a carry: spec.carry / masked.carry)")
-                from dlm.modeling.carry import CARRY_MODULE, carry_input
-
                 padding = carry_mask
                 if padding is None and attention_mask is not None and attention_mask.ndim == 2:
                     padding = attention_mask
@@ -154,41 +159,6 @@ class DiffusionLM(nn.Module):
         self.backbone.save_pretrained(directory, state_dict=state_dict)
         self.spec.save(directory)
 
-    @classmethod
-    def from_pretrained(cls, directory: str | Path, dtype: torch.dtype | None = None) -> "DiffusionLM":
-        """A dlm model directory (HF files + dlm.json), or a plain HF checkpoint loaded as an AR model."""
-        directory = Path(directory)
-        spec = ModelSpec.load(directory) if ModelSpec.exists(directory) else ModelSpec()
-        if spec.carry:  # transformers reports the carry LayerNorm as an unexpected key; dlm attaches it below
-            level = hf_logging.get_verbosity()
-            hf_logging.set_verbosity_error()
-            try:
-                backbone = load_backbone(directory, dtype=dtype)
-            finally:
-                hf_logging.set_verbosity(level)
-        else:
-            backbone = load_backbone(directory, dtype=dtype)
-        if spec.carry:
-            from dlm.modeling.carry import CARRY_MODULE, attach_carry
-
-            if find_tensor(directory, f"{CARRY_MODULE}.weight") is None:
-                raise FileNotFoundError(f"{directory}: dlm.json says the model has a carry but no {CARRY_MODULE} "
-                                        f"weights were found in its safetensors")
-            attach_carry(backbone, directory)
-        return cls(backbone, spec)
-
-
-def find_tensor(directory: str | Path, key: str) -> torch.Tensor | None:
-    """The tensor named `key` in the safetensors files of a model directory, or None (extra dlm modules that live
-    on the backbone: carry LayerNorm, timestep embedding, reward head)."""
-    from safetensors import safe_open
-
-    for f in sorted(Path(directory).glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as st:
-            if key in st.keys():
-                return st.get_tensor(key)
-    return None
-
 
 def resolve_model_dir(path: str | Path) -> Path:
     """A model directory from a model dir, or a run dir (its `model/`), or a checkpoint dir (its `model/`)."""
@@ -196,4 +166,6 @@ def resolve_model_dir(path: str | Path) -> Path:
     for candidate in (path, path / "model"):
         if (candidate / "config.json").is_file():
             return candidate
-    raise FileNotFoundError(f"{path}: no model found (expected config.json here or in {path / 'model'})")
+    if not path.exists():
+        raise ModelNotFoundError(f"{path}: no such file or directory")
+    raise ModelNotFoundError(f"{path}: no model here (expected config.json in it or in {path / 'model'})")

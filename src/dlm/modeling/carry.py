@@ -11,13 +11,13 @@ Choices the paper leaves open (see ../shared/notes-pumba.md):
 - under label shift the state that predicted token i sits at position i-1, so the carry is shifted right by one
   position before it is added (automatic, from the model's label-shift setting).
 
-The LayerNorm is a child module of the HF backbone (`dlm_carry_norm`), so it is saved in the backbone's safetensors,
-restored on resume and averaged by EMA like every other weight; plain transformers ignores it on load.
+The LayerNorm is a child module of the HF backbone (`dlm_carry_norm`), attached by `dlm.modeling.build` when the spec
+asks for a carry, so it is saved in the backbone's safetensors, restored on resume and averaged by EMA like every
+other weight; plain transformers ignores it on load.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Literal
 
 import torch
@@ -35,23 +35,11 @@ def new_carry_norm(hidden_size: int, eps: float = 1e-5, device=None, dtype=None)
     return norm
 
 
-def attach_carry(backbone: nn.Module, source: str | Path | None = None) -> nn.LayerNorm:
-    """Give `backbone` its carry LayerNorm (zero-initialised), restored from `source` (a model directory) if it
-    holds one. Returns the module."""
-    if not hasattr(backbone, CARRY_MODULE):
-        weight = backbone.get_input_embeddings().weight
-        eps = getattr(backbone.config, "rms_norm_eps", 1e-5)
-        backbone.add_module(CARRY_MODULE, new_carry_norm(backbone.config.hidden_size, eps, weight.device, weight.dtype))
-    norm = getattr(backbone, CARRY_MODULE)
-    if source is not None:
-        from dlm.modeling.backbone import find_tensor
-
-        weight, bias = (find_tensor(source, f"{CARRY_MODULE}.{n}") for n in ("weight", "bias"))
-        if weight is not None and bias is not None:
-            with torch.no_grad():
-                norm.weight.copy_(weight)
-                norm.bias.copy_(bias)
-    return norm
+def carry_norm_for(backbone: nn.Module) -> nn.LayerNorm:
+    """The carry LayerNorm for `backbone` (its hidden size, norm epsilon, device and dtype), zero-initialised."""
+    weight = backbone.get_input_embeddings().weight
+    eps = getattr(backbone.config, "rms_norm_eps", 1e-5)
+    return new_carry_norm(backbone.config.hidden_size, eps, weight.device, weight.dtype)
 
 
 def carry_input(norm: nn.LayerNorm, carry: torch.Tensor, input_ids: torch.Tensor, mask_token_id: int | None,

@@ -6,7 +6,9 @@ import json
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
+
+from dlm.errors import DlmError, ModelNotFoundError
 
 SPEC_FILE = "dlm.json"
 
@@ -35,6 +37,16 @@ class ModelSpec(BaseModel):
     carry: bool = False
     carry_positions: Literal["all", "masked"] = "all"  # where the carry is added (see dlm.modeling.carry)
 
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.family == "simplex" and (self.simplex_k is None or self.simplex_timesteps is None):
+            raise ValueError("a simplex model needs simplex_k and simplex_timesteps")
+        if self.carry and self.family != "masked":
+            raise ValueError(f"a carry is for masked models, not family {self.family!r}")
+        if (self.attention == "block_causal") != (self.block_size is not None):
+            raise ValueError("block_size is required with attention 'block_causal', and only with it")
+        return self
+
     def save(self, directory: str | Path) -> Path:
         path = Path(directory) / SPEC_FILE
         path.write_text(json.dumps(self.model_dump(), indent=2) + "\n")
@@ -46,10 +58,17 @@ class ModelSpec(BaseModel):
         try:
             return cls.model_validate_json(path.read_text())
         except FileNotFoundError:
-            raise FileNotFoundError(f"{path}: no dlm.json here; is {directory} a dlm model directory?") from None
+            raise ModelNotFoundError(f"{path}: no dlm.json here; is {directory} a dlm model directory?") from None
         except ValueError as err:
-            raise ValueError(f"{path}: invalid model spec: {err}") from None
+            raise DlmError(f"{path}: invalid model spec: {_one_line(err)}") from None
 
     @classmethod
     def exists(cls, directory: str | Path) -> bool:
         return (Path(directory) / SPEC_FILE).is_file()
+
+
+def _one_line(err: ValueError) -> str:
+    errors = getattr(err, "errors", None)
+    if callable(errors):
+        return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'spec'}: {e['msg']}" for e in errors())
+    return str(err).splitlines()[0]

@@ -57,43 +57,15 @@ def dtype_name(dtype) -> str:
     return str(resolve_dtype(dtype) or "float32").removeprefix("torch.")
 
 
-def cast_model(model, dtype):
-    """Parameters and saved buffers of `model` (dlm's own modules on the backbone included) in `dtype`. Derived
-    buffers stay as built: transformers keeps RoPE's inverse frequencies in float32 at any dtype, and rounding
-    them to bfloat16 would shift every rotary angle."""
-    for module in model.modules():
-        for param in module.parameters(recurse=False):
-            if param.is_floating_point() and param.dtype != dtype:
-                param.data = param.data.to(dtype)  # in place: tied weights stay one tensor
-        for name, buffer in module.named_buffers(recurse=False):
-            if buffer.is_floating_point() and name not in module._non_persistent_buffers_set:
-                module._buffers[name] = buffer.to(dtype)
-    return model
-
-
 def load_for_inference(path, dtype=None):
-    """(model, tokenizer) from a dlm model dir, a run dir or a checkpoint dir; `dtype` (torch dtype or a name in
-    DTYPES) is the precision of the whole model, the modules dlm attaches after loading included."""
+    """(model, tokenizer) from a dlm model dir, a run dir or a checkpoint dir (`dlm.modeling.build.load_model`);
+    `dtype` (torch dtype or a name in DTYPES) is the precision of the whole model, dlm's extras included."""
     from dlm.data.tokenizer import load_tokenizer
-    from dlm.modeling.backbone import DiffusionLM, resolve_model_dir
-    from dlm.modeling.spec import ModelSpec
+    from dlm.modeling.backbone import resolve_model_dir
+    from dlm.modeling.build import load_model
 
-    dtype = resolve_dtype(dtype)
     model_dir = resolve_model_dir(path)
-    family = ModelSpec.load(model_dir).family if ModelSpec.exists(model_dir) else None
-    if family == "simplex":
-        from dlm.modeling.simplex import load_simplex_lm
-
-        model = load_simplex_lm(model_dir, dtype=dtype)
-    elif family == "reward":
-        from dlm.modeling.reward import load_reward_model
-
-        model = load_reward_model(model_dir, dtype=dtype)
-    else:
-        model = DiffusionLM.from_pretrained(model_dir, dtype=dtype)
-    if dtype is not None:
-        cast_model(model, dtype)
-    return model.eval(), load_tokenizer(model_dir)
+    return load_model(model_dir, dtype=resolve_dtype(dtype)), load_tokenizer(model_dir)
 
 
 def generate_text(model_path, prompts: Sequence[str], *, max_new_tokens: int = 128, temperature: float = 0.0,

@@ -17,12 +17,17 @@ def resolve_reward_model(reward_model):
     """A loaded reward model, or one loaded (once per process) from a model or run directory."""
     if not isinstance(reward_model, (str, Path)):
         return reward_model
+    from dlm.errors import OptionsError
     from dlm.modeling.backbone import resolve_model_dir
-    from dlm.modeling.reward import load_reward_model
+    from dlm.modeling.build import load_model
 
     key = str(resolve_model_dir(reward_model).resolve())
     if key not in _LOADED:
-        _LOADED[key] = load_reward_model(key)
+        model = load_model(key)
+        if model.spec.family != "reward":
+            raise OptionsError(f"reward_model {key}: not a reward model (dlm.json family {model.spec.family!r}; train one with "
+                           "`dlm train recipes/tinymath/reward.yaml`)")
+        _LOADED[key] = model
     return _LOADED[key]
 
 

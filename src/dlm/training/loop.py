@@ -18,14 +18,14 @@ from accelerate.state import AcceleratorState
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
-from dlm.config import Recipe, dump_recipe
+from dlm.config import Recipe, dump_recipe, model_spec
 from dlm.data.pipeline import BatchStream, build_tokenizer, encode_examples, load_splits
 from dlm.data.tokenizer import ensure_special_tokens, load_tokenizer
-from dlm.modeling.backbone import DiffusionLM, build_backbone, count_parameters, load_backbone, resolve_model_dir
-from dlm.modeling.spec import ModelSpec
+from dlm.modeling.backbone import DiffusionLM, count_parameters, resolve_model_dir
+from dlm.modeling.build import build
 from dlm.training import checkpoint as ckpt
 from dlm.training.ema import EMA
-from dlm.training.objectives import build_objective, model_family
+from dlm.training.objectives import build_objective
 
 FAULT_ENV = "DLM_FAULT_AT_CHECKPOINT"  # test hook: die while writing the checkpoint of this step
 
@@ -41,38 +41,12 @@ def lr_lambda(step: int, warmup: int, total: int, schedule: str, min_ratio: floa
 
 
 def build_model(recipe: Recipe, tok) -> DiffusionLM:
-    """A fresh backbone from the preset, or `model.init_from` (any local HF checkpoint or dlm run)."""
+    """The model a recipe trains: a fresh backbone from the preset, or `model.init_from` (any local HF checkpoint
+    or dlm run), with the extras its spec names (`dlm.modeling.build`)."""
     cfg = recipe.model
-    family = model_family(recipe.train.objective)
-    attention = "causal" if family == "autoregressive" else cfg.attention
-    if cfg.init_from:
-        backbone = load_backbone(resolve_model_dir(cfg.init_from))
-        if len(tok) > backbone.get_input_embeddings().weight.shape[0]:
-            backbone.resize_token_embeddings(len(tok))
-    else:
-        backbone = build_backbone(cfg.arch, cfg.preset, len(tok), cfg.max_length, attention,
-                                  pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-    spec = ModelSpec(family=family, attention=attention, label_shift=cfg.label_shift, mask_token_id=tok.mask_token_id,
-                     eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                     block_size=cfg.block_size if attention == "block_causal" else None)
-    if recipe.train.objective == "pu" and recipe.progressive.carry:  # PUMBA Eq. 3.1: zero-initialised carry layer
-        from dlm.modeling.carry import attach_carry
-
-        spec = spec.model_copy(update={"carry": True, "carry_positions": recipe.progressive.carry_positions})
-        attach_carry(backbone, resolve_model_dir(cfg.init_from) if cfg.init_from else None)
-    if family == "simplex":  # TESS 2: k, T and self-conditioning travel with the model; timestep embedding added
-        from dlm.modeling.simplex import add_timestep_embedding
-
-        sc = recipe.simplex
-        spec = spec.model_copy(update={"simplex_k": sc.simplex_value, "simplex_timesteps": sc.timesteps,
-                                       "self_conditioning": sc.self_condition_prob > 0})
-        init = resolve_model_dir(cfg.init_from) if cfg.init_from else None
-        return add_timestep_embedding(DiffusionLM(backbone, spec), init)
-    if family == "reward":  # TESS 2 App. C: the backbone with a scalar head (kept when init_from is a reward model)
-        from dlm.modeling.reward import add_reward_head
-
-        return add_reward_head(DiffusionLM(backbone, spec), resolve_model_dir(cfg.init_from) if cfg.init_from else None)
-    return DiffusionLM(backbone, spec)
+    spec = model_spec(recipe, tok.mask_token_id, tok.eos_token_id, tok.pad_token_id)
+    return build(spec, cfg.init_from, arch=cfg.arch, preset=cfg.preset, vocab_size=len(tok),
+                 max_positions=cfg.max_length, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
 
 
 def resolve_tokenizer(recipe: Recipe, train_records, run_dir: Path):

@@ -53,10 +53,3 @@ def build_objective(name: str, recipe, mask_token_id: int | None = None, rank: i
 
         return RewardObjective()
     raise ValueError(f"unknown objective {name!r}")
-
-
-FAMILIES = {"autoregressive": "autoregressive", "mdm": "masked", "pu": "masked", "simplex": "simplex", "reward": "reward"}
-
-
-def model_family(objective: str) -> str:
-    return FAMILIES[objective]
