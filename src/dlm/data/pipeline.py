@@ -3,21 +3,24 @@
 from __future__ import annotations
 
 import json
-from functools import partial
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from dlm.config import DataConfig, ModelConfig
 from dlm.data.canvas import collate, collate_packed, collate_pairs, make_example, pack_documents
 from dlm.data.sources import load_records, read_text
 from dlm.data.tokenizer import corpus_texts, encode_pair, load_tokenizer, train_bpe_tokenizer
 
+if TYPE_CHECKING:  # the recipe's sections, read by field: data sits below the recipe schema
+    from dlm.config import DataConfig, ModelConfig
+
 SPLITS = ("train", "validation", "test")
 
 
-def load_splits(cfg: DataConfig, default_dir: Path) -> dict[str, list[dict]]:
+def load_splits(cfg: "DataConfig", default_dir: Path) -> dict[str, list[dict]]:
     """Records of each available split; tinymath is generated (once, deterministically) into `cfg.dir`."""
     if cfg.source == "tinymath":
         from dlm.data.tinymath import write_tinymath
@@ -43,7 +46,7 @@ def load_splits(cfg: DataConfig, default_dir: Path) -> dict[str, list[dict]]:
     return splits
 
 
-def build_tokenizer(cfg: ModelConfig, train_records: Sequence[dict], cache_dir: Path):
+def build_tokenizer(cfg: "ModelConfig", train_records: Sequence[dict], cache_dir: Path):
     if cfg.tokenizer == "builtin":
         texts = [r["text"] for r in train_records] if "text" in train_records[0] else corpus_texts(train_records)
         return train_bpe_tokenizer(texts, cfg.vocab_size, cache_dir=cache_dir)
