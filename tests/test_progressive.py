@@ -14,8 +14,9 @@ from dlm.diffusion.masking import loss_weight
 from dlm.modeling.backbone import DiffusionLM
 from dlm.modeling.carry import CARRY_MODULE, attach_carry
 from dlm.sampling.masked import generate
-from dlm.training.objectives.progressive import ProgressiveObjective, student_forcing_ratio
-from dlm.training.trajectories import StageConstruction, ThresholdConstruction, TrajectoryPool, stage_count
+from dlm.diffusion.progressive import StageConstruction, ThresholdConstruction, stage_count, student_forcing_ratio
+from dlm.training.objectives.progressive import ProgressiveObjective
+from dlm.training.trajectories import TrajectoryPool
 
 PAD, EOS, MASK, VOCAB = 0, 1, 2, 40
 G = torch.Generator

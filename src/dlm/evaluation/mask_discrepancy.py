@@ -136,7 +136,7 @@ def training_construction(model_path) -> tuple[str, object | None]:
     from pathlib import Path
 
     from dlm.config import load_recipe
-    from dlm.training.trajectories import StageConstruction, ThresholdConstruction
+    from dlm.diffusion.progressive import StageConstruction, ThresholdConstruction
 
     for base in (Path(model_path), Path(model_path).parent):
         if (base / "recipe.yaml").is_file():
