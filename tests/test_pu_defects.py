@@ -130,3 +130,53 @@ def test_mask_discrepancy_of_a_block_model_decodes_block_by_block(tiny_tokenizer
     res = mask_discrepancy(model, tok, records, "pu", ThresholdConstruction(1, None, block_size=4), n_train=4,
                            n_problems=1, progress=False)
     assert [t for t, v in res["d_mask"].items() if v is not None] == ["0.2", "0.5", "0.8"]  # masked 1/4, 2/4, 3/4
+
+
+# ---- recipe rules -------------------------------------------------------------------------------------------------
+def test_carry_dropout_is_gone_with_a_specific_error():
+    with pytest.raises(RecipeError, match=r"carry_dropout was a keep probability.*carry_drop_prob = 1 - value"):
+        load_recipe(None, ["train.objective=pu", "progressive.carry=true", "progressive.carry_dropout=0.1"])
+    r = load_recipe(None, ["train.objective=pu", "progressive.carry=true", "progressive.carry_drop_prob=0.9"])
+    assert r.progressive.carry_drop_prob == 0.9
+    # recipes written by earlier runs hold the old default 1.0 (always keep = drop with probability 0): they still load
+    assert load_recipe(None, ["train.objective=pu", "progressive.carry_dropout=1.0"]).progressive.carry_drop_prob == 0
+
+
+def test_carry_drop_prob_zeroes_that_share_of_carries():
+    """carry_drop_prob 0.9: about 90 % of the passes receive a zero carry (the old carry_dropout 0.1 kept 10 %)."""
+    from dlm.training.objectives.progressive import ProgressiveObjective
+
+    m = tiny_model(64, attention="bidirectional", family="masked", seed=0)
+    from dlm.modeling.carry import attach_carry
+
+    attach_carry(m.backbone)
+    m.spec = m.spec.model_copy(update={"carry": True, "mask_token_id": MASK})
+    seen = []
+    forward = m.forward
+
+    def spy(ids, *a, carry=None, **kw):
+        seen.extend((carry.abs().sum((1, 2)) == 0).tolist())
+        return forward(ids, *a, carry=carry, **kw)
+
+    m.forward = spy
+
+    class Stream:
+        def take(self, n):
+            return [Example([3, 4], list(range(10, 30))) for _ in range(n)]
+
+    obj = ProgressiveObjective(ProgressiveConfig(carry=True, carry_drop_prob=0.9, reveal_count=1, threshold=None), MASK,
+                               0, 0, 4, 1, 32)
+    obj.attach(Stream(), lambda ex, pad_to: collate(ex, EOS, PAD, pad_to=pad_to), m.config.hidden_size)
+    with torch.no_grad():
+        for _ in range(25):
+            obj.pool.carry.fill_(1.0)
+            obj.loss(m)
+    assert len(seen) == 100 and 0.75 <= sum(seen) / len(seen) <= 0.99
+
+
+def test_progressive_settings_need_the_pu_objective():
+    with pytest.raises(RecipeError, match=r"progressive\.(carry|window), progressive\.(carry|window).*'mdm'"):
+        load_recipe(None, ["train.objective=mdm", "progressive.window=2", "progressive.carry=true"])
+    # a recipe written back by a run (every field, defaults included) still loads
+    r = load_recipe(None, ["train.objective=mdm", "model.attention=bidirectional"])
+    assert Recipe.model_validate(r.model_dump(mode="json")) == r

@@ -93,7 +93,7 @@ class ProgressiveObjective:
             active = in_loss.any(-1)
             if not bool(active.any()):
                 break
-            carry_in = drop_carry(carry, 1 - cfg.carry_dropout, g)
+            carry_in = drop_carry(carry, cfg.carry_drop_prob, g)
             noise = bridge.noise((len(rows), width, embed.weight.shape[0]), g, device)
             run = _Pass(model, embed, attention, pool.target[rows, :width].to(device), bridge, noise, blocks)
             args = (pool.canvas[rows, :width].to(device), carry_in, bridge.delta)
