@@ -180,3 +180,17 @@ def test_progressive_settings_need_the_pu_objective():
     # a recipe written back by a run (every field, defaults included) still loads
     r = load_recipe(None, ["train.objective=mdm", "model.attention=bidirectional"])
     assert Recipe.model_validate(r.model_dump(mode="json")) == r
+
+
+# ---- tokens/s -----------------------------------------------------------------------------------------------------
+def test_pu_tokens_seen_counts_real_tokens_not_padded_canvases(tmp_path):
+    from dlm.training.loop import Trainer
+    from tests.test_training import small_recipe
+
+    recipe = small_recipe(tmp_path / "run", tmp_path / "data", "train.objective=pu", "model.attention=bidirectional",
+                          "progressive.reveal_count=4", "model.max_length=256")  # canvases of 129-209
+    trainer = Trainer(recipe, progress=False)
+    want = int(trainer.objective.pool.lengths[:8].sum())  # the first chunk, one pass (W = 1)
+    record = trainer.train_step()
+    assert record["passes"] == 1 and want < 8 * 256
+    assert trainer.tokens_seen == want and record["tokens"] == want
