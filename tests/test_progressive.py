@@ -11,10 +11,10 @@ from tests.conftest import tiny_model
 from dlm.config import ProgressiveConfig
 from dlm.data.canvas import Example, collate
 from dlm.diffusion.masking import loss_weight
+from dlm.diffusion.progressive import StageConstruction, ThresholdConstruction, stage_count, student_forcing_ratio
 from dlm.modeling.backbone import DiffusionLM
 from dlm.modeling.carry import CARRY_MODULE, attach_carry
 from dlm.sampling.masked import generate
-from dlm.diffusion.progressive import StageConstruction, ThresholdConstruction, stage_count, student_forcing_ratio
 from dlm.training.objectives.progressive import ProgressiveObjective
 from dlm.training.trajectories import TrajectoryPool
 
