@@ -8,8 +8,8 @@ import torch
 from dlm.data.canvas import Example, collate, make_example
 from dlm.diffusion.masking import loss_weight
 from dlm.diffusion.policies import confidence_rank
-from dlm.modeling.blocks import block_causal_mask
-from dlm.training.objectives.block_mdm import block_mdm_loss, response_blocks, sample_block_mask
+from dlm.modeling.blocks import block_causal_mask, response_blocks
+from dlm.training.objectives.block_mdm import block_mdm_loss, sample_block_mask
 from tests.conftest import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -113,7 +113,8 @@ def test_vectorised_loss_equals_block_by_block_with_explicit_prefixes(label_shif
 
 
 def test_block_pu_blocks_advance_in_lockstep_and_retire_within_ceil_s_over_u():
-    from dlm.training.trajectories import ThresholdConstruction, TrajectoryPool
+    from dlm.diffusion.progressive import ThresholdConstruction
+    from dlm.training.trajectories import TrajectoryPool
 
     S, u = 4, 3
     examples = [Example([5, 6, 7], list(range(10, 19))), Example([8, 9], [20, 21])]  # 3 blocks, 1 block

@@ -11,11 +11,12 @@ from tests.conftest import tiny_model
 from dlm.config import ProgressiveConfig
 from dlm.data.canvas import Example, collate
 from dlm.diffusion.masking import loss_weight
+from dlm.diffusion.progressive import StageConstruction, ThresholdConstruction, stage_count, student_forcing_ratio
 from dlm.modeling.build import load_model
 from dlm.modeling.carry import CARRY_MODULE
 from dlm.sampling.masked import generate
-from dlm.training.objectives.progressive import ProgressiveObjective, student_forcing_ratio
-from dlm.training.trajectories import StageConstruction, ThresholdConstruction, TrajectoryPool, stage_count
+from dlm.training.objectives.progressive import ProgressiveObjective
+from dlm.training.trajectories import TrajectoryPool
 
 PAD, EOS, MASK, VOCAB = 0, 1, 2, 40
 G = torch.Generator

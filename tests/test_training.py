@@ -52,7 +52,7 @@ RESUME_CASES = {
     "mdm": ("train.objective=mdm", "model.attention=bidirectional"),
     # PUMBA: trajectories (u=2 over ~40-token responses) are mid-way at the step-4 checkpoint; carry and W=2 windows
     "pu": ("train.objective=pu", "model.attention=bidirectional", "progressive.carry=true", "progressive.window=2",
-           "progressive.carry_dropout=0.5"),
+           "progressive.carry_drop_prob=0.5"),
     # block diffusion: vectorised block MDM, and block PUMBA (blocks of 16, u=4, carry, W=2) mid-trajectory
     "block-mdm": ("train.objective=mdm", "model.attention=block_causal", "model.block_size=16", "model.label_shift=true"),
     "block-pu": ("train.objective=pu", "model.attention=block_causal", "model.block_size=16", "model.label_shift=true",

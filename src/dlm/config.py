@@ -109,8 +109,8 @@ class ProgressiveConfig(_Strict):
                         "inside the window (truncated BPTT, Algorithm 1)")
     carry: bool = Field(False, description="pass the last hidden state to the next step (Eq. 3.1)")
     carry_positions: Literal["all", "masked"] = Field("all", description="where the carry is added")
-    carry_dropout: float = Field(1.0, gt=0, le=1, description="p: probability that a step receives its carry "
-                                 "(Jo et al. 2026); 1 = always (the paper's setting)")
+    carry_drop_prob: float = Field(0.0, ge=0, lt=1, description="probability that a step's carry is zeroed, per "
+                                   "sequence (carry dropout, Jo et al. 2026); 0 = always passed (the paper's setting)")
     activation_checkpointing: bool = Field(False, description="recompute each pass in backward so memory does not "
                                            "grow W-fold")
     pad_in_loss: bool = Field(False, description="padding after the first EOS is maskable and in the loss (TinyGSM "
@@ -130,6 +130,17 @@ class ProgressiveConfig(_Strict):
                                          "fraction of their positions revealed")
     balance_lambda: float | None = Field(None, ge=0, le=1, description="PU+ Eq. F.2: lambda·(loss on the revealed) + "
                                          "(1-lambda)·(loss on those still masked after the step); null = plain loss")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data):
+        if isinstance(data, dict) and "carry_dropout" in data:
+            keep = data["carry_dropout"]
+            if keep != 1.0:  # 1.0 (always keep) is what earlier runs wrote into their recipe.yaml: drop prob 0
+                msg = "progressive.carry_dropout was a keep probability and is gone; use carry_drop_prob = 1 - value"
+                raise ValueError(msg + (f" (here {1 - keep:g})" if isinstance(keep, (int, float)) else ""))
+            data = {k: v for k, v in data.items() if k != "carry_dropout"}
+        return data
 
     @model_validator(mode="after")
     def _checks(self):
@@ -193,6 +204,16 @@ class Recipe(_Strict):
     simplex: SimplexConfig = SimplexConfig()
     eval: EvalConfig = EvalConfig()
 
+
+    @model_validator(mode="after")
+    def _progressive_needs_pu(self):
+        # Set explicitly and to a non-default value: a recipe written back by a run (every field) still loads.
+        p = self.progressive
+        given = sorted(f for f in p.model_fields_set if getattr(p, f) != type(p).model_fields[f].default)
+        if given and self.train.objective != "pu":
+            raise ValueError(f"{', '.join('progressive.' + f for f in given)} only apply to train.objective pu, not "
+                             f"{self.train.objective!r}: remove them or set train.objective: pu")
+        return self
 
     @model_validator(mode="after")
     def _block_recipes(self):

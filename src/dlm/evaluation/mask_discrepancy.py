@@ -1,24 +1,31 @@
 """Mask discrepancy D_mask(t) (PUMBA Definition 1, Eq. C.1, App. C.4): how far the masks a training procedure
 produces at masking ratio t are from the mask the sampler visits at t.
 
-Per validation problem, masks live on its N response positions (response + first EOS), the kernel is
+Per validation problem, masks live on its N response positions (response + first EOS; for a block-causal model the
+response rounded up to whole blocks, EOS filler included, as both training and block decoding see it), the kernel is
 k(m, m') = exp(-d_H(m, m') / σ) with σ = 0.2 N, and
     MMD² = 1/(n(n-1)) Σ_{i≠j} k(m_i, m_j) + 1 - 2/n Σ_i k(m_i, m_inf)
 with n = 32 training masks and the (deterministic, greedy top-u) sampler's mask m_inf at the first step whose
-masked fraction is ≤ t. Training masks: MDM draws round(tN) positions uniformly at random; progressive unmasking runs
-its own construction on x_0 (a pool of copies, ground-truth commits, carry passed along) and keeps the masks whose
-ratio lies within 0.05 of t. D_mask(t) is the mean over problems.
+masked fraction is ≤ t (a block-causal model decodes block by block). Training masks: MDM draws round(tN) positions
+uniformly at random (also for block MDM: its per-block levels are not modelled here); progressive unmasking runs the
+construction the run trained with at its step (`dlm.diffusion.progressive.construction_for`) on x_0 (a pool of
+copies, ground-truth commits, carry passed along, the block-causal vectorised pass of training for block models) and
+keeps the masks whose ratio lies within 0.05 of t. D_mask(t) is the mean over problems.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from dlm.data.canvas import Example, collate
 from dlm.data.tokenizer import encode_pair
 from dlm.diffusion import policies
+from dlm.diffusion.progressive import construction_for
+from dlm.modeling.blocks import block_forward, num_blocks
 from dlm.sampling.masked import generate as masked_generate
 
 GRID = tuple(round(0.1 * i, 1) for i in range(1, 10))
@@ -60,35 +67,55 @@ def mdm_masks(N: int, t: float, n: int, generator: torch.Generator) -> torch.Ten
     return rank < k
 
 
+def block_size_of(model) -> int | None:
+    """The block size of a block-causal model (None: full canvas)."""
+    spec = model.spec
+    return spec.block_size if spec.attention == "block_causal" else None
+
+
+def response_positions(model, response: Sequence[int]) -> int:
+    """N: the response and its EOS, rounded up to whole blocks for a block-causal model."""
+    block = block_size_of(model)
+    return num_blocks(len(response) + 1, block) * block if block else len(response) + 1
+
+
 @torch.no_grad()
 def pu_masks(model, prompt: Sequence[int], response: Sequence[int], eos_id: int, mask_id: int, construction,
              n: int, generator: torch.Generator, pools: int = 5, pool_size: int = 32, steps: int = 64) -> dict[float, list]:
     """Masks produced by the progressive-unmasking construction on x_0, binned to the grid (±0.05), ≤ n per ratio.
     Each pool is `pool_size` copies of the sample started as in training (spread stages for PUMA) and advanced with
-    the model's confidences, committing ground truth; finished trajectories restart."""
-    ex = Example(list(prompt), list(response))
-    batch = collate([ex] * pool_size, eos_id, 0)
-    P, N = len(prompt), len(response) + 1
-    maskable = batch["maskable"]
+    the model's confidences from the pass training runs (the block-causal vectorised pass for a block-causal model),
+    committing ground truth; finished trajectories restart."""
+    block = block_size_of(model)
+    batch = collate([Example(list(prompt), list(response))] * pool_size, eos_id, 0, block_size=block)
+    P = len(prompt)
+    maskable, target = batch["maskable"], batch["input_ids"]
     uses_carry = bool(getattr(model.spec, "carry", False))
+
+    def forward(ids, carry):
+        """(logits, next carry) as in training (`ProgressiveObjective`'s pass)."""
+        if block:
+            out = block_forward(model, ids, target, batch["prompt_len"], batch["attention_mask"].sum(-1), carry=carry,
+                                return_hidden=uses_carry)
+        elif uses_carry:
+            out = model(ids, attention_mask=batch["attention_mask"], carry=carry, return_hidden=True)
+        else:
+            out = model(ids, attention_mask=batch["attention_mask"])
+        return (out[0], out[1].float()) if uses_carry else (out, None)
+
     bins: dict[float, list] = {t: [] for t in GRID}
     for _ in range(pools):
         revealed, stage = construction.start(maskable, generator, spread=True)
-        carry = torch.zeros(pool_size, P + N, model.config.hidden_size) if uses_carry else None
+        carry = torch.zeros(*target.shape, model.config.hidden_size) if uses_carry else None
         for _ in range(steps):
             ratio = 1.0 - revealed[:, P:].float().mean(-1)
             for b in range(pool_size):
                 t = round(float(ratio[b]) * 10) / 10
                 if t in bins and abs(float(ratio[b]) - t) <= 0.05 + 1e-9 and len(bins[t]) < n:
                     bins[t].append(~revealed[b, P:])
-            ids = torch.where(maskable & ~revealed, mask_id, batch["input_ids"])
-            if uses_carry:
-                logits, hidden = model(ids, carry=carry, return_hidden=True)
-                carry = hidden.float()
-            else:
-                logits = model(ids)
-            conf, _, _ = policies.confidences(logits, mask_id)
             masked = maskable & ~revealed
+            logits, carry = forward(torch.where(masked, mask_id, target), carry)
+            conf, _, _ = policies.confidences(logits, mask_id)
             reveal, retire, stage = construction.step(conf, masked, maskable, revealed, stage, batch["loss_mask"], generator)
             revealed = revealed | (reveal & masked)
             if retire.any():  # restart at a random stage (a random row of a spread start)
@@ -113,7 +140,7 @@ def mask_discrepancy(model, tok, records: Sequence[dict], training: str, constru
     model.eval()
     for r in tqdm(records[:n_problems], desc=f"mask discrepancy ({training})", disable=not progress):
         prompt, response = encode_pair(tok, r["prompt"], r["response"])
-        N = len(response) + 1
+        N = response_positions(model, response)
         inf = inference_masks(model, prompt, N, tok.mask_token_id, tok.pad_token_id, u)
         if training == "pu":
             bins = pu_masks(model, prompt, response, tok.eos_token_id, tok.mask_token_id, construction, n_train, generator)
@@ -131,31 +158,57 @@ def mask_discrepancy(model, tok, records: Sequence[dict], training: str, constru
             "problems_per_t": {str(t): counts[t] for t in GRID}}
 
 
-def training_construction(model_path) -> tuple[str, object | None]:
-    """('mdm' | 'pu', construction) from the recipe.yaml of the run a model came from (MDM when there is none)."""
-    from pathlib import Path
+class RunConstruction(NamedTuple):
+    training: str  # "mdm" | "pu"
+    construction: object | None  # the PU construction (None for MDM)
+    step: int | None  # the update the construction was built at
+    step_source: str | None  # where that step came from
 
+
+def training_construction(model_path) -> RunConstruction:
+    """The masks the run a model came from trained on, from its recipe.yaml (MDM when there is none): for `pu`, the
+    construction training builds at the model's step (read from its checkpoint; the recipe's train.steps only when
+    there is none) with the run's block size."""
     from dlm.config import load_recipe
-    from dlm.training.trajectories import StageConstruction, ThresholdConstruction
 
-    for base in (Path(model_path), Path(model_path).parent):
-        if (base / "recipe.yaml").is_file():
-            recipe = load_recipe(base / "recipe.yaml", [])
-            if recipe.train.objective != "pu":
-                return "mdm", None
-            c = recipe.progressive
-            if c.construction == "stages":
-                return "pu", StageConstruction(c.stages_end if recipe.train.steps > c.stages_from else c.stages_start,
-                                               c.threshold)
-            return "pu", ThresholdConstruction(c.reveal_count, c.threshold, c.random_initial_masking)
-    return "mdm", None
+    path = Path(model_path)
+    run = next((d for d in (path, *list(path.parents)[:3]) if (d / "recipe.yaml").is_file()), None)
+    if run is None:
+        return RunConstruction("mdm", None, None, None)
+    recipe = load_recipe(run / "recipe.yaml", [])
+    if recipe.train.objective != "pu":
+        return RunConstruction("mdm", None, None, None)
+    step, source = _checkpoint_step(path, run)
+    if step is None:
+        step, source = recipe.train.steps, f"recipe train.steps of {run / 'recipe.yaml'} (no checkpoint found)"
+    block = recipe.model.block_size if recipe.model.attention == "block_causal" else None
+    return RunConstruction("pu", construction_for(recipe.progressive, step, block), step, source)
+
+
+def _checkpoint_step(path: Path, run: Path) -> tuple[int | None, str | None]:
+    """(step, its source) of the model at `path`: a checkpoint dir (`step_N` or `step_N/model`) holds its own
+    trainer.pt; a run dir or its final model is at the run's latest checkpoint (written with the final model)."""
+    if (path / "trainer.pt").is_file():
+        found = path / "trainer.pt"
+    elif path.name == "model" and path.parent != run and (path.parent / "trainer.pt").is_file():
+        found = path.parent / "trainer.pt"
+    else:
+        root = run / "checkpoints"
+        pointer = root / "latest"
+        candidates = [root / pointer.read_text().strip()] if pointer.is_file() else []
+        candidates += sorted(root.glob("step_*"), reverse=True)
+        complete = [c / "trainer.pt" for c in candidates if (c / "COMPLETE").is_file()]
+        found = next((f for f in complete if f.is_file()), None)
+    if found is None:
+        return None, None
+    state = torch.load(found, map_location="cpu", weights_only=False, mmap=True)
+    return int(state["step"]), f"checkpoint {found}"
 
 
 def run_mask_discrepancy(models: Sequence[str], data, u: int = 2, n: int = 50, seed: int = 0, out=None,
                          progress: bool = True) -> dict:
     """D_mask(t) for each model (training construction read from its run), as JSON and a plot of D_mask vs t."""
     import json
-    from pathlib import Path
 
     from dlm.data.sources import read_jsonl
     from dlm.sampling import load_for_inference
@@ -166,12 +219,14 @@ def run_mask_discrepancy(models: Sequence[str], data, u: int = 2, n: int = 50, s
         model, tok = load_for_inference(path)
         if model.spec.family != "masked":
             raise ValueError(f"{path}: mask discrepancy needs a masked model (family {model.spec.family!r})")
-        training, construction = training_construction(path)
-        res = mask_discrepancy(model, tok, records, training, construction, u=u, n_problems=n, seed=seed,
+        run = training_construction(path)
+        res = mask_discrepancy(model, tok, records, run.training, run.construction, u=u, n_problems=n, seed=seed,
                                progress=progress)
-        res["model"] = str(path)
+        res.update(model=str(path), step=run.step, step_source=run.step_source)
         rows.append(res)
-        print(f"{path} ({training}): " + "  ".join(f"t={t}: {v:.4f}" for t, v in res["d_mask"].items() if v is not None))
+        where = f", construction at step {run.step} from {run.step_source}" if run.training == "pu" else ""
+        print(f"{path} ({run.training}{where}): "
+              + "  ".join(f"t={t}: {v:.4f}" for t, v in res["d_mask"].items() if v is not None))
     result = {"data": str(data), "u": u, "rows": rows}
     if out:
         out = Path(out)

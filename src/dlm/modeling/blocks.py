@@ -173,3 +173,12 @@ def block_forward(model, canvas: torch.Tensor, target: torch.Tensor, prompt_len:
     if return_hidden:
         return logits, layout.logical(hidden, layout.noised_at)
     return logits
+
+
+def response_blocks(maskable: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Block index per position [B, L]: 0 outside the response, k+1 on response block k (the response region of
+    each row is its maskable span, a whole number of blocks starting at the prompt's end)."""
+    L = maskable.shape[-1]
+    start = torch.where(maskable.any(-1), maskable.int().argmax(-1), L)
+    offset = torch.arange(L, device=maskable.device)[None, :] - start[:, None]
+    return torch.where(maskable, offset.div(block_size, rounding_mode="floor") + 1, 0)

@@ -120,8 +120,8 @@ class Trainer:
             with ctx, self.acc.autocast():
                 l_sum, n, m = self.objective.loss(self.model, batch)
                 self.acc.backward(l_sum)
-            seen = (tc.batch_size * self.recipe.model.max_length * m.get("passes", 1.0) if batch is None
-                    else int(batch["attention_mask"].sum()))
+            # Objectives that own their data report the real (non-padding) tokens their passes processed.
+            seen = m["tokens"] if batch is None else int(batch["attention_mask"].sum())
             self.tokens_seen += int(seen) * self.acc.num_processes
             loss_sum += l_sum.detach().float()
             count += n.float()

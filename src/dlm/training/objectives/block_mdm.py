@@ -12,16 +12,7 @@ import torch
 
 from dlm.diffusion.masking import apply_mask, loss_weight
 from dlm.diffusion.policies import confidence_rank
-from dlm.modeling.blocks import block_forward
-
-
-def response_blocks(maskable: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Block index per position [B, L]: 0 outside the response, k+1 on response block k (the response region of
-    each row is its maskable span, a whole number of blocks starting at the prompt's end)."""
-    L = maskable.shape[-1]
-    start = torch.where(maskable.any(-1), maskable.int().argmax(-1), L)
-    offset = torch.arange(L, device=maskable.device)[None, :] - start[:, None]
-    return torch.where(maskable, offset.div(block_size, rounding_mode="floor") + 1, 0)
+from dlm.modeling.blocks import block_forward, response_blocks
 
 
 def sample_block_mask(maskable: torch.Tensor, block_size: int, generator: torch.Generator | None = None
