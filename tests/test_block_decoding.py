@@ -7,7 +7,8 @@ import torch
 
 from dlm.modeling.blocks import block_causal_mask
 from dlm.modeling.carry import CARRY_MODULE, attach_carry
-from dlm.sampling.masked import candidates, generate, make_rule
+from dlm.sampling.masked import generate
+from dlm.sampling.steps import candidates, make_rule
 from tests.conftest import assert_batched_equals_one_by_one, perturb, tiny_model
 
 PAD, EOS, MASK, VOCAB = 0, 1, 2, 40
