@@ -57,6 +57,7 @@ def main() -> None:
 
     from dlm.config import load_recipe
     from dlm.evaluation.run import evaluate_model
+    from dlm.sampling import MaskedOptions
     from dlm.training.loop import train
 
     out = Path(args.out_dir)
@@ -88,10 +89,11 @@ def main() -> None:
             key = (arm, None if arm == "ar" else tau)
             if key in done or runs.get(arm) is None:
                 continue
-            options = {} if arm == "ar" else {"policy": "threshold", "confidence_threshold": tau,
-                                              "block_size": args.block_size}
-            res = evaluate_model(runs[arm], data=Path(args.data) / "test.jsonl", n=args.n, batch_size=args.batch_size,
-                                 max_new_tokens=args.max_new_tokens, progress=False, seed=args.seed, **options)
+            options = None if arm == "ar" else MaskedOptions(policy="threshold", confidence_threshold=tau,
+                                                             block_size=args.block_size)
+            res = evaluate_model(runs[arm], data=Path(args.data) / "test.jsonl", n=args.n, options=options,
+                                 batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, progress=False,
+                                 seed=args.seed)
             seconds = Path(runs[arm]) / "train_seconds.txt"
             row = {"arm": arm, "label": ARMS[arm][2], "tau": key[1], "n": res["n"], "accuracy": res["accuracy"],
                    "mean_nfe": res["mean_nfe"], "ms_per_problem": res["ms_per_problem"],

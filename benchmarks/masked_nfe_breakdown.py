@@ -12,6 +12,7 @@ import json
 from dlm.data.sources import read_jsonl
 from dlm.data.tokenizer import encode_pair
 from dlm.sampling import load_for_inference, masked
+from dlm.sampling.options import POLICIES
 
 
 def main() -> None:
@@ -19,7 +20,7 @@ def main() -> None:
     ap.add_argument("model")
     ap.add_argument("--data", required=True)
     ap.add_argument("--n", type=int, default=100)
-    ap.add_argument("--policy", default="top_u", choices=masked.POLICIES)
+    ap.add_argument("--policy", default="top_u", choices=POLICIES)
     ap.add_argument("--u", type=int, default=1)
     ap.add_argument("--tau", type=float, default=0.9)
     ap.add_argument("--gen-length", type=int, default=40)

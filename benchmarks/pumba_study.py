@@ -52,6 +52,7 @@ def main() -> None:
 
     from dlm.config import load_recipe
     from dlm.evaluation.run import evaluate_model
+    from dlm.sampling import MaskedOptions
     from dlm.training.loop import train
 
     out = Path(args.out_dir)
@@ -91,9 +92,9 @@ def main() -> None:
                 res = {"accuracy": final["eval/accuracy"], "mean_nfe": final["eval/mean_nfe"], "n": final["eval/n"],
                        "ms_per_problem": final["eval/ms_per_problem"], "trivial_baseline": None}
             else:
-                res = evaluate_model(run, data=Path(args.data) / "test.jsonl", n=args.n, batch_size=50,
-                                     max_new_tokens=96 if arm == "ar" else args.max_new_tokens, progress=False,
-                                     policy="top_u", reveal_count=u)
+                res = evaluate_model(run, data=Path(args.data) / "test.jsonl", n=args.n,
+                                     options=MaskedOptions(policy="top_u", reveal_count=u), batch_size=50,
+                                     max_new_tokens=96 if arm == "ar" else args.max_new_tokens, progress=False)
             seconds = run / "train_seconds.txt"
             row = {"arm": arm, "label": label, "u": 1 if arm == "ar" else u, "n": res["n"], "accuracy": res["accuracy"],
                    "mean_nfe": res["mean_nfe"], "ms_per_problem": res["ms_per_problem"],

@@ -121,8 +121,8 @@ def decode(model, tok, prompts, batch_size, max_new_tokens, options):
     tokens, nfe = [], []
     t0 = time.perf_counter()
     for start in range(0, len(prompts), batch_size):
-        out = generate(model, prompts[start : start + batch_size], max_new_tokens=max_new_tokens,
-                       eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, **options)
+        out = generate(model, prompts[start : start + batch_size], options, max_new_tokens=max_new_tokens,
+                       eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
         tokens += out.tokens
         nfe += out.nfe
     return tokens, nfe, time.perf_counter() - t0

@@ -26,14 +26,15 @@ from dlm.data.sources import read_jsonl
 from dlm.data.tokenizer import encode_pair
 from dlm.evaluation.reward import score_texts
 from dlm.evaluation.tasks import evaluate
-from dlm.sampling import generate, load_for_inference
+from dlm.sampling import SimplexOptions, generate, load_for_inference
+from dlm.sampling.guidance import resolve_reward_model
 
 
 def steps_section(model, tok, records, values, args) -> list[dict]:
     rows = []
     for steps in values:
-        r = evaluate(model, tok, records, batch_size=args.batch_size, max_new_tokens=args.gen_length,
-                     inference_steps=int(steps), early_stop_patience=args.early_stop)
+        options = SimplexOptions(inference_steps=int(steps), early_stop_patience=args.early_stop)
+        r = evaluate(model, tok, records, options, batch_size=args.batch_size, max_new_tokens=args.gen_length)
         rows.append({"inference_steps": int(steps), "early_stop_patience": args.early_stop,
                      **{k: r[k] for k in ("accuracy", "mean_nfe", "ms_per_problem")}})
         print(json.dumps(rows[-1]), flush=True)
@@ -41,13 +42,13 @@ def steps_section(model, tok, records, values, args) -> list[dict]:
 
 
 def guidance_section(model, tok, records, values, args) -> list[dict]:
-    rm, _ = load_for_inference(args.reward_model)
+    rm = resolve_reward_model(args.reward_model)  # the one the sampler guides with (loaded once per process)
     prompts = [r["prompt"] for r in records]
     rows = []
     for eta in values:
-        r = evaluate(model, tok, records, batch_size=args.batch_size, max_new_tokens=args.gen_length,
-                     inference_steps=args.steps, reward_model=rm, guidance_scale=float(eta),
-                     guidance_steps=args.guidance_steps)
+        options = SimplexOptions(inference_steps=args.steps, reward_model=args.reward_model, guidance_scale=float(eta),
+                                 guidance_steps=args.guidance_steps)
+        r = evaluate(model, tok, records, options, batch_size=args.batch_size, max_new_tokens=args.gen_length)
         texts = [s["generation"] for s in r["samples"]]
         rewards = score_texts(rm, tok, prompts, texts, args.batch_size)
         refs = score_texts(rm, tok, prompts, [x["response"] for x in records], args.batch_size)
@@ -79,8 +80,8 @@ def speed_section(model, tok, records, values, args) -> dict:
     ar_s = _timed(lambda: generate(ar, prompts, max_new_tokens=G, eos_id=-1, pad_id=ar_tok.pad_token_id), args.repeats)
     rows = []
     for steps in values:
-        s = _timed(lambda: generate(model, prompts, max_new_tokens=G, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
-                                    inference_steps=int(steps)), args.repeats)
+        s = _timed(lambda: generate(model, prompts, SimplexOptions(inference_steps=int(steps)), max_new_tokens=G,
+                                    eos_id=tok.eos_token_id, pad_id=tok.pad_token_id), args.repeats)
         rows.append({"inference_steps": int(steps), "simplex_s": s, "ar_s": ar_s, "ratio": s / ar_s})
         print(json.dumps(rows[-1]), flush=True)
     return {"batch": B, "gen_length": G, "prompt_tokens_mean": sum(map(len, prompts)) / B, "params_simplex": n_params,

@@ -7,7 +7,8 @@ import torch
 
 from dlm.modeling.blocks import block_causal_mask
 from dlm.modeling.carry import CARRY_MODULE
-from dlm.sampling.masked import candidates, generate, make_rule
+from dlm.sampling.masked import generate
+from dlm.sampling.steps import candidates, make_rule
 from tests.conftest import assert_batched_equals_one_by_one, perturb, tiny_model
 
 PAD, EOS, MASK, VOCAB = 0, 1, 2, 40
@@ -242,15 +243,15 @@ def test_rejects_bad_cache_options():
 
 
 def test_cache_options_reach_the_sampler():
-    from dlm.cli import _cache_options, build_parser
+    from dlm.cli import _sampling_settings, build_parser
     from dlm.config import EvalConfig
-    from dlm.sampling import options_for
 
-    assert options_for("masked", EvalConfig().sampler_options("masked"))["kv_cache"] is True
-    assert options_for("masked", EvalConfig(cache="dual", block_size=32).sampler_options("masked"))["cache"] == "dual"
+    assert EvalConfig().sampling_options("masked").kv_cache is True
+    assert EvalConfig(cache="dual", block_size=32).sampling_options("masked").cache == "dual"
     args = build_parser().parse_args(["eval", "runs/x", "--block-size", "32", "--cache", "prefix", "--no-kv-cache"])
-    assert _cache_options(args) == {"kv_cache": False, "cache": "prefix"}
-    assert options_for("autoregressive", _cache_options(args)) == {}
+    masked = _sampling_settings(args).sampling_options("masked")
+    assert (masked.kv_cache, masked.cache, masked.block_size) == (False, "prefix", 32)
+    assert _sampling_settings(args).sampling_options("autoregressive").model_dump() == {}
 
 
 @pytest.mark.parametrize("carry", [False, True])

@@ -127,8 +127,8 @@ def test_forward_runs_in_bf16(saved, tiny_tokenizer):
 def _check_eos(model, prompt, G, tok, free_tokens, **options):
     """Rerun one prompt with a token the free run produced as EOS: the output is the free run's prefix before it."""
     eos = free_tokens[min(2, len(free_tokens) - 1)]
-    out = generate(model, [prompt], max_new_tokens=G, eos_id=eos, pad_id=tok.pad_token_id,
-                   generator=torch.Generator().manual_seed(0), **options)
+    out = generate(model, [prompt], options, max_new_tokens=G, eos_id=eos, pad_id=tok.pad_token_id,
+                   generator=torch.Generator().manual_seed(0))
     assert out.tokens[0] == free_tokens[: free_tokens.index(eos)] and eos not in out.tokens[0]
     return out, eos
 
@@ -152,7 +152,8 @@ def test_masked_decodes_in_bf16(saved, tiny_tokenizer, name, options):
     tok, G = tiny_tokenizer, 8
     model, _ = load_for_inference(saved[name][1], dtype=BF16)
     prompts = _prompts(tok)
-    free = generate(model, prompts, max_new_tokens=G, eos_id=NEVER, pad_id=tok.pad_token_id, reveal_count=2, **options)
+    free = generate(model, prompts, {"reveal_count": 2, **options}, max_new_tokens=G, eos_id=NEVER,
+                    pad_id=tok.pad_token_id)
     # top-2 reveals two positions per step: G / 2 steps on the full canvas, two per block of 4
     assert [len(t) for t in free.tokens] == [G] * 3 and free.nfe == [math.ceil(G / 2)] * 3
     assert all(tok.mask_token_id not in t for t in free.tokens)
@@ -164,11 +165,11 @@ def test_simplex_decodes_in_bf16(saved, tiny_tokenizer):
     tok, G = tiny_tokenizer, 6
     model, _ = load_for_inference(saved["simplex"][1], dtype=BF16)
     prompts = _prompts(tok)
-    free = generate(model, prompts, max_new_tokens=G, eos_id=NEVER, pad_id=tok.pad_token_id, inference_steps=3,
+    free = generate(model, prompts, {"inference_steps": 3}, max_new_tokens=G, eos_id=NEVER, pad_id=tok.pad_token_id,
                     generator=torch.Generator().manual_seed(0))
     assert [len(t) for t in free.tokens] == [G] * 3 and free.nfe == [3] * 3
-    single = generate(model, prompts[:1], max_new_tokens=G, eos_id=NEVER, pad_id=tok.pad_token_id, inference_steps=3,
-                      generator=torch.Generator().manual_seed(0))
+    single = generate(model, prompts[:1], {"inference_steps": 3}, max_new_tokens=G, eos_id=NEVER,
+                      pad_id=tok.pad_token_id, generator=torch.Generator().manual_seed(0))
     out, _ = _check_eos(model, prompts[0], G, tok, single.tokens[0], inference_steps=3)
     assert out.nfe == [3]
 

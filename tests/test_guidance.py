@@ -63,7 +63,7 @@ def test_tokenizer_mismatch_is_a_clear_error():
 
 def test_sampler_guides_every_step(monkeypatch):
     import dlm.sampling.guidance as guidance
-    from dlm.sampling import generate
+    from dlm.sampling.simplex import generate  # the family sampler: it also takes a loaded reward model
     from tests.test_simplex import simplex_model
 
     calls = []
@@ -75,7 +75,7 @@ def test_sampler_guides_every_step(monkeypatch):
 
     monkeypatch.setattr(guidance, "reward_guidance", spy)
     m, rm = simplex_model(vocab=40), reward_model(vocab=40)
-    kw = dict(max_new_tokens=6, eos_id=1, pad_id=0, inference_steps=5)
+    kw = dict(gen_length=6, eos_id=1, pad_id=0, inference_steps=5)
     plain = generate(m, [[5, 6], [7]], generator=torch.Generator().manual_seed(0), **kw)
     guided = generate(m, [[5, 6], [7]], generator=torch.Generator().manual_seed(0), reward_model=rm,
                       guidance_scale=50.0, **kw)
@@ -86,7 +86,7 @@ def test_sampler_guides_every_step(monkeypatch):
 
 
 def test_reward_model_given_as_a_directory(tmp_path):
-    from dlm.sampling import generate
+    from dlm.sampling import SimplexOptions, generate
     from dlm.sampling.guidance import resolve_reward_model
     from tests.test_simplex import simplex_model
 
@@ -95,8 +95,8 @@ def test_reward_model_given_as_a_directory(tmp_path):
     loaded = resolve_reward_model(str(tmp_path / "rm"))
     assert resolve_reward_model(tmp_path / "rm") is loaded  # loaded once per process
     assert torch.equal(loaded.backbone.dlm_reward_head.weight, rm.backbone.dlm_reward_head.weight)
-    out = generate(simplex_model(vocab=40), [[5]], max_new_tokens=4, eos_id=1, pad_id=0, inference_steps=2,
-                   reward_model=str(tmp_path / "rm"), guidance_scale=0.5)
+    options = SimplexOptions(inference_steps=2, reward_model=tmp_path / "rm", guidance_scale=0.5)
+    out = generate(simplex_model(vocab=40), [[5]], options, max_new_tokens=4, eos_id=1, pad_id=0)
     assert out.nfe == [2]
     with pytest.raises(ValueError, match="not a reward model"):
         simplex_model(vocab=40).save_pretrained(tmp_path / "sx")

@@ -34,8 +34,9 @@ def test_mauve_separates_distributions():
 
 def test_intrinsic_table_end_to_end(tmp_path, tiny_tokenizer):
     """An AR model scores its own references; perplexity matches a hand computation of exp(mean NLL)."""
-    from dlm.evaluation.intrinsic import intrinsic_metrics, run_intrinsic
     from dlm.data.tokenizer import encode_pair
+    from dlm.evaluation.intrinsic import intrinsic_metrics, run_intrinsic
+    from dlm.sampling import SimplexOptions
     from tests.conftest import tiny_model
     from tests.test_simplex import simplex_model
 
@@ -63,14 +64,14 @@ def test_intrinsic_table_end_to_end(tmp_path, tiny_tokenizer):
     tiny_tokenizer.save_pretrained(tmp_path / "sx")
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"prompt": p, "response": r}) + "\n" for p, r in zip(prompts * 10, responses * 10)))
-    result = run_intrinsic([tmp_path / "sx"], data, tmp_path / "ar", sampler={"inference_steps": 2}, max_new_tokens=6,
+    result = run_intrinsic([tmp_path / "sx"], data, tmp_path / "ar", SimplexOptions(inference_steps=2), max_new_tokens=6,
                            with_mauve=False, progress=False, out=tmp_path / "out.json")
     rows = result["rows"]
     assert [r["model"] for r in rows] == ["references", str(tmp_path / "sx")] and rows[1]["inference_steps"] == 2
     assert all(r["perplexity"] > 1 and 0 <= r["dist_1"] <= 1 for r in rows)
     assert json.loads((tmp_path / "out.json").read_text())["n"] == 20
     with pytest.raises(ValueError, match="autoregressive"):
-        run_intrinsic([tmp_path / "sx"], data, tmp_path / "sx", sampler={}, with_mauve=False)
+        run_intrinsic([tmp_path / "sx"], data, tmp_path / "sx", with_mauve=False)
 
 
 def test_cli_intrinsic(tmp_path, tiny_tokenizer, capsys):

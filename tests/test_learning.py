@@ -10,6 +10,7 @@ import pytest
 from dlm.config import load_recipe
 from dlm.evaluation.run import evaluate_model
 from dlm.evaluation.tasks import trivial_baseline
+from dlm.sampling.options import MaskedOptions
 from dlm.training.loop import Trainer
 
 pytestmark = pytest.mark.slow
@@ -57,7 +58,7 @@ def test_mdm_adapted_from_ar_learns_tinymath(ar_run):
     trainer.save_model(root / "mdm-untrained")
     trainer.fit()
     kwargs = dict(data=root / "data" / "test.jsonl", max_new_tokens=40, batch_size=100, progress=False,
-                  policy="top_u", reveal_count=2)
+                  options=MaskedOptions(policy="top_u", reveal_count=2))
     before = evaluate_model(root / "mdm-untrained", **kwargs)["accuracy"]
     after = evaluate_model(root / "mdm", **kwargs)["accuracy"]
     floor = trivial_baseline(test)

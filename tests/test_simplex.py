@@ -245,12 +245,13 @@ def test_sampler_early_stop(monkeypatch):
 
 
 def test_sampler_runs_a_real_model_for_any_step_count():
-    from dlm.sampling import generate
+    from dlm.sampling import SimplexOptions, generate
 
     m = simplex_model(vocab=40)
     for steps in (1, 4, 9):
-        out = generate(m, [[5, 6], [7, 8, 9]], max_new_tokens=6, eos_id=1, pad_id=0, inference_steps=steps,
-                       generator=torch.Generator().manual_seed(0), top_p=0.9 if steps == 4 else None)
+        options = SimplexOptions(inference_steps=steps, top_p=0.9 if steps == 4 else None)
+        out = generate(m, [[5, 6], [7, 8, 9]], options, max_new_tokens=6, eos_id=1, pad_id=0,
+                       generator=torch.Generator().manual_seed(0))
         assert out.nfe == [steps, steps] and all(len(t) <= 6 for t in out.tokens)
     with pytest.raises(ValueError, match="top_p"):
         generate(m, [[5]], max_new_tokens=3, eos_id=1, pad_id=0, temperature=0.7)

@@ -7,7 +7,7 @@ import torch
 
 from dlm.config import load_recipe
 from dlm.data.tokenizer import encode_pair
-from dlm.sampling import generate
+from dlm.sampling import SimplexOptions, generate
 from dlm.training.loop import Trainer
 from dlm.training.objectives.simplex import SimplexObjective
 
@@ -33,8 +33,8 @@ def token_accuracy(trainer, records) -> float:
     tok, model = trainer.tok, trainer.unwrapped.eval()
     prompts = [encode_pair(tok, r["prompt"], "")[0] for r in records]
     refs = [encode_pair(tok, "", r["response"])[1] + [tok.eos_token_id] for r in records]
-    out = generate(model, prompts, max_new_tokens=40, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
-                   inference_steps=20, generator=torch.Generator().manual_seed(0))
+    out = generate(model, prompts, SimplexOptions(inference_steps=20), max_new_tokens=40, eos_id=tok.eos_token_id,
+                   pad_id=tok.pad_token_id, generator=torch.Generator().manual_seed(0))
     hits = total = 0
     for got, ref in zip(out.tokens, refs):
         got = got + [tok.eos_token_id]

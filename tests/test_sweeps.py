@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from dlm.evaluation.sweeps import parse_sweep, run_sweep, write_sweep
+from dlm.sampling import MaskedOptions
 from tests.conftest import tiny_model
 
 
@@ -31,8 +32,8 @@ def test_sweep_over_masked_and_ar_models(tmp_path, tiny_tokenizer):
         tiny_tokenizer.save_pretrained(tmp_path / name)
         paths.append(tmp_path / name)
     torch.manual_seed(0)
-    result = run_sweep(paths, data, sampler={"policy": "top_u", "reveal_count": 2, "confidence_threshold": 0.9,
-                                             "block_size": None}, sweep="u=1,4", max_new_tokens=8, progress=False)
+    result = run_sweep(paths, data, MaskedOptions(policy="top_u", confidence_threshold=0.9), sweep="u=1,4",
+                       max_new_tokens=8, progress=False)
     rows = result["rows"]
     assert [(r["family"], r.get("reveal_count")) for r in rows] == [("masked", 1), ("masked", 4), ("autoregressive", None)]
     assert rows[0]["mean_nfe"] == 8 and rows[1]["mean_nfe"] == 2  # an untrained model never stops early here

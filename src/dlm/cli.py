@@ -47,6 +47,10 @@ def _cmd_train(a):
 def _cmd_generate(a):
     from dlm.sampling import generate_text
 
+    try:
+        settings = _sampling_settings(a)
+    except ValueError as err:
+        sys.exit(f"dlm generate: {err}")
     prompts = list(a.prompt or [])
     if a.file:
         with open(a.file) as f:
@@ -56,22 +60,59 @@ def _cmd_generate(a):
                     prompts.append(json.loads(line)["prompt"] if line.startswith("{") else line)
     if not prompts:
         sys.exit("dlm generate: give at least one --prompt or a --file")
-    sampler = {"policy": a.sampler, "reveal_count": a.u, "confidence_threshold": a.tau, "block_size": a.block_size,
-               **_cache_options(a), **_simplex_options(a)}
-    for r in generate_text(a.model, prompts, max_new_tokens=a.max_new_tokens, temperature=a.temperature, seed=a.seed,
-                           show_steps=a.show_steps, dtype=a.dtype, **sampler):
+    for r in generate_text(a.model, prompts, settings, max_new_tokens=a.max_new_tokens,
+                           temperature=a.temperature, seed=a.seed, show_steps=a.show_steps, dtype=a.dtype):
         print(f"user: {r['prompt']}\nassistant ({r['nfe']} NFE):\n{r['response']}\n")
 
 
-def _cache_options(a) -> dict:
-    return {"kv_cache": not a.no_kv_cache, "cache": a.cache}
+def _flags(name: str) -> list[str]:
+    """--field-name, then its short names (the papers' symbols and the spellings the docs use: --tau, --u, ...)."""
+    from dlm.sampling.options import ALIASES
+
+    return ["--" + k.replace("_", "-") for k in (name, *(a for a, f in ALIASES.items() if f == name))]
 
 
-def _add_cache_flags(p) -> None:
-    p.add_argument("--no-kv-cache", action="store_true",
-                   help="block-causal masked models: recompute the whole canvas every step (the exact reference)")
-    p.add_argument("--cache", choices=["prefix", "dual"],
-                   help="full-canvas masked models with --block-size: Fast-dLLM's approximate KV cache")
+def _add_sampling_flags(p) -> None:
+    """One flag per sampling option, generated from its field: name, help, type, choices; unset = the default."""
+    from typing import Literal, get_args, get_origin
+
+    from dlm.sampling.options import OPTIONS
+
+    for family, cls in OPTIONS.items():
+        if not cls.model_fields:
+            continue
+        group = p.add_argument_group(f"{family} sampler (flags other models ignore)")
+        for name, field in cls.model_fields.items():
+            kind = _value_type(field.annotation)
+            default = "" if field.default is None else f" (default: {field.default})"
+            text = f"{field.description}{default}".replace("%", "%%")
+            if kind is bool:
+                group.add_argument(*_flags(name), dest=name, action=argparse.BooleanOptionalAction, default=None,
+                                   help=text)
+            elif get_origin(kind) is Literal:
+                group.add_argument(*_flags(name), dest=name, choices=get_args(kind), help=text)
+            else:
+                group.add_argument(*_flags(name), dest=name, type=kind, metavar=name.upper(), help=text)
+
+
+def _value_type(annotation):
+    """An option's value type: Optional and Annotated unwrapped, a Literal kept (its values are the choices)."""
+    from types import UnionType
+    from typing import Annotated, Union, get_args, get_origin
+
+    origin = get_origin(annotation)
+    if origin is Annotated:
+        return _value_type(get_args(annotation)[0])
+    if origin in (Union, UnionType):
+        return _value_type(next(t for t in get_args(annotation) if t is not type(None)))
+    return annotation
+
+
+def _sampling_settings(a):
+    """The sampling flags given (None = unset) as validated SamplingSettings; errors name the flag."""
+    from dlm.sampling.options import OWNER, parse_settings
+
+    return parse_settings({name: getattr(a, name) for name in OWNER}, names={name: _flags(name)[-1] for name in OWNER})
 
 
 def _add_dtype_flag(p) -> None:
@@ -83,24 +124,14 @@ def _add_dtype_flag(p) -> None:
                    "decoding) more than one-token AR steps; accuracy is measured at that precision")
 
 
-def _simplex_options(a) -> dict:
-    return {"inference_steps": a.steps, "top_p": a.top_p, "early_stop_patience": a.early_stop,
-            "reward_model": a.reward_model, "guidance_scale": a.eta, "guidance_steps": a.guidance_steps}
-
-
-def _add_simplex_flags(p) -> None:
-    p.add_argument("--steps", type=int, help="simplex: reverse diffusion steps (default: 100)")
-    p.add_argument("--top-p", type=float, help="simplex: top-p projection instead of argmax (e.g. 0.99)")
-    p.add_argument("--early-stop", type=int, metavar="N", help="simplex: stop a sample once unchanged for N steps")
-    p.add_argument("--reward-model", help="simplex: reward model directory for reward guidance (TESS 2 §3.4)")
-    p.add_argument("--eta", type=float, help="simplex: reward-guidance scale η (default: 0, no guidance)")
-    p.add_argument("--guidance-steps", type=int, help="simplex: gradient-ascent steps per diffusion step (default: 1)")
-
-
 def _cmd_eval(a):
     from dlm.evaluation.run import default_task_file
     from dlm.evaluation.sweeps import run_sweep, write_sweep
 
+    try:
+        settings = _sampling_settings(a)
+    except ValueError as err:
+        sys.exit(f"dlm eval: {err}")
     data = a.data or default_task_file(a.model[0], a.task)
     if a.metric == "mask-discrepancy":
         from dlm.evaluation.mask_discrepancy import run_mask_discrepancy
@@ -108,7 +139,7 @@ def _cmd_eval(a):
         if a.dtype != "float32":
             sys.exit("dlm eval: --metric mask-discrepancy runs in float32 only; drop --dtype")
         try:
-            run_mask_discrepancy(a.model, data, u=a.u, n=a.n or 50, seed=a.seed, out=a.out)
+            run_mask_discrepancy(a.model, data, u=settings.reveal_count, n=a.n or 50, seed=a.seed, out=a.out)
         except ValueError as err:
             sys.exit(f"dlm eval: {err}")
         return
@@ -117,19 +148,15 @@ def _cmd_eval(a):
 
         if not a.reference_model:
             sys.exit("dlm eval: --metric intrinsic needs --reference-model (a held-out AR model directory)")
-        sampler = {"policy": a.sampler, "reveal_count": a.u, "confidence_threshold": a.tau,
-                   "block_size": a.block_size, **_cache_options(a), **_simplex_options(a)}
         try:
-            run_intrinsic(a.model, data, a.reference_model, sampler=sampler, n=a.n, batch_size=a.batch_size,
+            run_intrinsic(a.model, data, a.reference_model, settings, n=a.n, batch_size=a.batch_size,
                           max_new_tokens=a.max_new_tokens, seed=a.seed, with_mauve=not a.no_mauve, out=a.out,
                           dtype=a.dtype)
         except ValueError as err:
             sys.exit(f"dlm eval: {err}")
         return
-    sampler = {"policy": a.sampler, "reveal_count": a.u, "confidence_threshold": a.tau, "block_size": a.block_size,
-               **_cache_options(a), **_simplex_options(a)}
     try:
-        result = run_sweep(a.model, data, sampler=sampler, sweep=a.sweep, n=a.n, batch_size=a.batch_size,
+        result = run_sweep(a.model, data, settings, sweep=a.sweep, n=a.n, batch_size=a.batch_size,
                            max_new_tokens=a.max_new_tokens, seed=a.seed, dtype=a.dtype)
     except ValueError as err:
         sys.exit(f"dlm eval: {err}")
@@ -182,16 +209,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=int, default=128, help="AR: token limit; masked: generation canvas length")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--sampler", default="top_u", choices=["top_u", "threshold", "top_u_or_threshold"],
-                   help="masked models: unmasking policy (default: top_u)")
-    g.add_argument("--u", type=int, default=2, help="masked: positions revealed per step (default: 2)")
-    g.add_argument("--tau", type=float, default=0.9, help="masked: confidence threshold (default: 0.9)")
-    g.add_argument("--block-size", type=int, help="masked: block decoding with blocks of this size")
-    _add_cache_flags(g)
     g.add_argument("--show-steps", action="store_true",
                    help="masked: render the denoising step by step, tokens coloured by confidence")
-    _add_simplex_flags(g)
     _add_dtype_flag(g)
+    _add_sampling_flags(g)
     g.set_defaults(func=_cmd_generate)
 
     e = sub.add_parser("eval", help="evaluate models on a task (accuracy, NFE, time; sweeps)",
@@ -212,20 +233,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "perplexity under --reference-model, dist-1..4, unigram entropy, MAUVE (TESS 2 §4.1)")
     e.add_argument("--data", help="jsonl with prompt/response/answer (default: the first model's own test split)")
     e.add_argument("--n", type=int, help="evaluate only the first N problems")
-    e.add_argument("--sampler", default="top_u", choices=["top_u", "threshold", "top_u_or_threshold"],
-                   help="masked models: unmasking policy (default: top_u)")
-    e.add_argument("--u", type=int, default=2, help="masked: positions revealed per step for top_u (default: 2)")
-    e.add_argument("--tau", type=float, default=0.9, help="masked: confidence threshold (Fast-dLLM) (default: 0.9)")
-    e.add_argument("--block-size", type=int, help="masked: block decoding with blocks of this size (default: full canvas)")
-    _add_cache_flags(e)
-    e.add_argument("--sweep", help="grid over one setting: tau=0.7,0.8,0.9,1.0 or u=1,2,4,8 (masked); "
-                   "steps=10,100 or eta=0,0.25 (simplex)")
-    _add_simplex_flags(e)
+    e.add_argument("--sweep", help="grid over one sampling option, by its name or short name: tau=0.7,0.8,0.9,1.0 or "
+                   "u=1,2,4,8 (masked); steps=10,100 or eta=0,0.25 (simplex)")
     e.add_argument("--batch-size", type=int, default=50)
     e.add_argument("--max-new-tokens", type=int, default=128, help="AR: token limit; masked: generation canvas length")
     e.add_argument("--seed", type=int, default=0)
     _add_dtype_flag(e)
     e.add_argument("--out", help="write the table (JSON) here and the plot beside it (.png)")
+    _add_sampling_flags(e)
     e.set_defaults(func=_cmd_eval)
 
     m = sub.add_parser("demo", help="tinymath → AR run → masked diffusion adapted from it → evaluation + denoising",

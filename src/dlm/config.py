@@ -10,6 +10,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from dlm.modeling.spec import ModelSpec
+from dlm.sampling.options import SamplingSettings
 
 
 class _Strict(BaseModel):
@@ -162,34 +163,16 @@ class SimplexConfig(_Strict):
     ul2_prefix: Literal["half", "random"] = Field("half", description="UL2 prefix-LM split: half (App. A.1) or random (§3.2)")
 
 
-class EvalConfig(_Strict):
+class EvalConfig(SamplingSettings):
+    """In-run evaluation, and the sampler it uses: every family's sampling options, flat (eval.reveal_count,
+    eval.inference_steps, ...), defined once in `dlm.sampling.options`; each model takes its family's share
+    (`eval.sampling_options(family)`)."""
+
     n: int = Field(200, gt=0, description="validation problems evaluated during training")
     test_n: int | None = Field(None, gt=0, description="test problems evaluated when training ends (null = all)")
     batch_size: int = Field(50, gt=0)
     max_new_tokens: int = Field(128, gt=0, description="AR: token limit; masked: length of the generation canvas")
     temperature: float = Field(0.0, ge=0)
-    policy: Literal["top_u", "threshold", "top_u_or_threshold"] = "top_u"
-    reveal_count: int = Field(2, gt=0, description="u: positions revealed per step (masked sampler)")
-    confidence_threshold: float = Field(0.9, gt=0, le=1, description="tau (masked sampler)")
-    block_size: int | None = Field(None, gt=0, description="block decoding (masked sampler); null = full canvas")
-    kv_cache: bool = Field(True, description="block-causal models: exact KV cache over finished blocks (false = "
-                           "recompute the whole canvas every step)")
-    cache: Literal["prefix", "dual"] | None = Field(None, description="full-canvas models with a block_size: "
-                                                    "Fast-dLLM's approximate prefix or dual KV cache; null = none")
-    inference_steps: int = Field(100, gt=0, description="simplex sampler: reverse diffusion steps (TESS 2 §5.1)")
-    top_p: float | None = Field(None, gt=0, le=1, description="simplex: top-p projection instead of argmax (Eq. 5)")
-    early_stop_patience: int | None = Field(None, gt=0, description="simplex: stop a row once its tokens are "
-                                            "unchanged for this many steps")
-
-    def sampler_options(self, family: str) -> dict:
-        if family == "simplex":
-            return {"inference_steps": self.inference_steps, "top_p": self.top_p,
-                    "early_stop_patience": self.early_stop_patience}
-        if family != "masked":
-            return {}
-        return {"policy": self.policy, "reveal_count": self.reveal_count,
-                "confidence_threshold": self.confidence_threshold, "block_size": self.block_size,
-                "kv_cache": self.kv_cache, "cache": self.cache}
 
 
 class Recipe(_Strict):

@@ -23,7 +23,7 @@ MDM_STAGE = ["name=demo-mdm", "train.objective=mdm", "model.attention=bidirectio
 def run_demo(out: str | Path = "runs/demo", minutes: float = 8.0) -> dict:
     """Train both stages within about `minutes`, evaluate each on the test split, show a denoising."""
     from dlm.evaluation.tasks import trivial_baseline
-    from dlm.sampling import generate_text
+    from dlm.sampling import MaskedOptions, generate_text
     from dlm.training.loop import train
 
     out = Path(out)
@@ -44,7 +44,8 @@ def run_demo(out: str | Path = "runs/demo", minutes: float = 8.0) -> dict:
         print(f"  {name:18s} accuracy {100 * r['eval/accuracy']:5.1f}% | mean NFE {r['eval/mean_nfe']:5.1f} | "
               f"{r['eval/ms_per_problem']:.0f} ms/problem")
     print("\n== the masked model's denoising (colour = confidence when revealed) ==")
-    for g in generate_text(out / "mdm", [test[0]["prompt"]], max_new_tokens=40, show_steps=True, policy="top_u", reveal_count=2):
+    top_u = MaskedOptions(policy="top_u", reveal_count=2)
+    for g in generate_text(out / "mdm", [test[0]["prompt"]], top_u, max_new_tokens=40, show_steps=True):
         print(f"assistant ({g['nfe']} NFE):\n{g['response']}\n(expected answer: {test[0]['answer']})")
     print(f"\nmodels:  {out / 'ar' / 'model'}  {out / 'mdm' / 'model'}\nmetrics: {out / 'mdm' / 'metrics.jsonl'}\n"
           f"plots:   {out / 'ar' / 'training_curve.png'}  {out / 'mdm' / 'training_curve.png'}\n"

@@ -82,16 +82,17 @@ def intrinsic_metrics(prompts: Sequence[str], generations: Sequence[str], refere
     return result
 
 
-def run_intrinsic(models: Sequence[str | Path], data: str | Path, reference_model: str | Path, *, sampler: dict,
+def run_intrinsic(models: Sequence[str | Path], data: str | Path, reference_model: str | Path, options=None, *,
                   n: int | None = None, batch_size: int = 50, max_new_tokens: int = 128, seed: int = 0,
                   with_mauve: bool = True, out: str | Path | None = None, progress: bool = True,
                   dtype=None) -> dict:
     """One row per model: its generations for the prompts of `data`, scored by the held-out `reference_model`;
-    the references (the data's responses) get a row too, as the ceiling. The evaluated models generate at `dtype`
+    the references (the data's responses) get a row too, as the ceiling. Each model samples with its family's share
+    of `options` (SamplingSettings, one family's SamplingOptions or None). The evaluated models generate at `dtype`
     (e.g. "bfloat16"); the reference model always scores in float32, so rows stay comparable across dtypes."""
     from dlm.data.sources import read_jsonl
     from dlm.evaluation.tasks import evaluate
-    from dlm.sampling import dtype_name, load_for_inference, options_for
+    from dlm.sampling import dtype_name, load_for_inference, resolve_options
 
     records = read_jsonl(data, required=("prompt", "response"))
     records = records[:n] if n else records
@@ -104,10 +105,11 @@ def run_intrinsic(models: Sequence[str | Path], data: str | Path, reference_mode
     for path in models:
         model, tok = load_for_inference(path, dtype=dtype)
         graded = "answer" in records[0]
-        r = evaluate(model, tok, records if graded else [{**x, "answer": None} for x in records], batch_size=batch_size,
-                     max_new_tokens=max_new_tokens, seed=seed, **options_for(model.spec.family, sampler))
+        own = resolve_options(model.spec.family, options, strict=False)
+        r = evaluate(model, tok, records if graded else [{**x, "answer": None} for x in records], own,
+                     batch_size=batch_size, max_new_tokens=max_new_tokens, seed=seed)
         generations = [s["generation"] for s in r["samples"]]
-        row = {"model": str(path), "family": model.spec.family, **options_for(model.spec.family, sampler),
+        row = {"model": str(path), "family": model.spec.family, **own.model_dump(mode="json"),
                **intrinsic_metrics(prompts, generations, references, tok, ref_model, ref_tok, batch_size, with_mauve)}
         if graded:
             row["accuracy"] = r["accuracy"]

@@ -8,34 +8,38 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from dlm.data.sources import read_jsonl
+from dlm.errors import OptionsError
 from dlm.evaluation.tasks import evaluate, trivial_baseline
-from dlm.sampling import SAMPLER_OPTIONS, dtype_name, load_for_inference, options_for
-
-SWEEP_KEYS = {"tau": "confidence_threshold", "u": "reveal_count", "steps": "inference_steps", "eta": "guidance_scale"}
-CASTS = {"tau": float, "u": int, "steps": int, "eta": float}
+from dlm.sampling import dtype_name, ignored, load_for_inference, resolve_options
+from dlm.sampling.options import OWNER, option_name
 
 
-def parse_sweep(spec: str | None) -> tuple[str | None, list]:
-    """'tau=0.7,0.8' → ('confidence_threshold', [0.7, 0.8]); 'u=1,2' → ('reveal_count', [1, 2]); simplex models:
-    'steps=10,100' → inference steps, 'eta=0,0.25' → reward-guidance scale."""
+def parse_sweep(spec: str | None, options=None) -> tuple[str | None, list]:
+    """'tau=0.7,0.8' → ('confidence_threshold', [0.7, 0.8]): a grid over one sampling option, named by its field or a
+    short name (tau, u; simplex models: steps, eta), each value checked by the option's model together with the
+    other `options` (e.g. eta needs a reward_model) before any model is loaded."""
     if not spec:
         return None, [None]
     key, sep, values = spec.partition("=")
-    if not sep or key not in SWEEP_KEYS or not values:
-        raise ValueError(f"--sweep {spec!r}: expected tau=, u=, steps= or eta= followed by V1,V2,...")
-    cast = CASTS[key]
+    if not sep or not values:
+        raise OptionsError(f"--sweep {spec!r}: expected an option and its values, e.g. tau=0.7,0.9, u=1,2,4, "
+                           "steps=10,100 or eta=0,0.25")
     try:
-        return SWEEP_KEYS[key], [cast(v) for v in values.split(",")]
-    except ValueError:
-        raise ValueError(f"--sweep {spec!r}: values must be {'numbers' if cast is float else 'integers'}") from None
+        name = option_name(key)
+        base = resolve_options(OWNER[name], options, strict=False)
+        return name, [getattr(base.replace(**{name: v}), name) for v in values.split(",")]
+    except OptionsError as err:
+        raise OptionsError(f"--sweep {spec!r}: {err}") from None
 
 
-def run_sweep(models: Sequence[str | Path], data: str | Path, *, sampler: dict, sweep: str | None = None,
+def run_sweep(models: Sequence[str | Path], data: str | Path, options=None, *, sweep: str | None = None,
               n: int | None = None, batch_size: int = 50, max_new_tokens: int = 128, seed: int = 0,
               progress: bool = True, dtype=None) -> dict:
-    """One row per (model, grid value). AR models ignore the masked sampler's settings and give a single row.
-    Every model is loaded and run at `dtype` (e.g. "bfloat16"; default float32), recorded in the result."""
-    key, values = parse_sweep(sweep)
+    """One row per (model, grid value), each row recording the options it ran with. Every model samples with its
+    family's share of `options` (SamplingSettings, one family's SamplingOptions or None: the defaults); a model of
+    another family than the swept option's gives a single row. Every model is loaded and run at `dtype` (e.g.
+    "bfloat16"; default float32), recorded in the result."""
+    name, values = parse_sweep(sweep, options)
     records = read_jsonl(data, required=("prompt", "response"))
     if any("answer" not in r for r in records):
         raise ValueError(f"{data}: every record needs an 'answer' field to be graded")
@@ -44,17 +48,18 @@ def run_sweep(models: Sequence[str | Path], data: str | Path, *, sampler: dict, 
     for path in models:
         model, tok = load_for_inference(path, dtype=dtype)
         family = model.spec.family
-        for value in values if key in SAMPLER_OPTIONS[family] else [None]:
-            options = options_for(family, sampler)
-            if key in SAMPLER_OPTIONS[family] and value is not None:
-                options[key] = value
-            r = evaluate(model, tok, records, batch_size=batch_size, max_new_tokens=max_new_tokens, seed=seed,
-                         progress=progress, **options)
-            row = {"model": str(path), "family": family, **options,
+        base = resolve_options(family, options, strict=False)
+        if progress and ignored(family, options):
+            print(f"{Path(path).name} ({family}) ignores {', '.join(ignored(family, options))}")
+        for value in values if OWNER.get(name) == family else [None]:
+            opts = base if value is None else base.replace(**{name: value})
+            r = evaluate(model, tok, records, opts, batch_size=batch_size, max_new_tokens=max_new_tokens, seed=seed,
+                         progress=progress)
+            row = {"model": str(path), "family": family, **opts.model_dump(mode="json"),
                    **{k: r[k] for k in ("accuracy", "n", "mean_nfe", "tokens_per_nfe", "wall_s", "ms_per_problem")}}
             rows.append(row)
             if progress:
-                setting = ", ".join(f"{k}={v}" for k, v in options.items()) or "greedy, KV cache"
+                setting = ", ".join(f"{k}={v}" for k, v in opts.model_dump().items() if v is not None) or "greedy, KV cache"
                 print(f"{Path(path).name} [{setting}]: accuracy {100 * r['accuracy']:.1f}% | mean NFE {r['mean_nfe']:.1f} "
                       f"| {r['ms_per_problem']:.1f} ms/problem")
     return {"data": str(data), "n": len(records), "trivial_baseline": trivial_baseline(records), "sweep": sweep,
@@ -73,10 +78,11 @@ def plot_sweep(result: dict, out: str | Path, title: str | None = None) -> Path:
         rows = sorted((r for r in result["rows"] if r["model"] == model), key=lambda r: r["mean_nfe"])
         style = "s" if rows[0]["family"] == "autoregressive" else "o-"
         ax.plot([r["mean_nfe"] for r in rows], [100 * r["accuracy"] for r in rows], style, label=Path(model).name)
-        key = next((k for k in SWEEP_KEYS if (result["sweep"] or "").startswith(k + "=")), None)
+        key = (result["sweep"] or "").partition("=")[0]
+        name = option_name(key) if key else None
         for r in rows:
-            if key and r.get(SWEEP_KEYS[key]) is not None:
-                ax.annotate(f"{key}={r[SWEEP_KEYS[key]]}", (r["mean_nfe"], 100 * r["accuracy"]), fontsize=7,
+            if name and r.get(name) is not None:
+                ax.annotate(f"{key}={r[name]}", (r["mean_nfe"], 100 * r["accuracy"]), fontsize=7,
                             xytext=(3, 3), textcoords="offset points")
     ax.axhline(100 * result["trivial_baseline"], color="grey", ls=":", lw=1, label="trivial baseline")
     ax.set(xlabel="mean NFE per problem", ylabel="accuracy (%)", ylim=(0, 100), title=title or f"{result['n']} problems")

@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 
 from dlm.data.tokenizer import encode_pair
 from dlm.evaluation.sandbox import answers_match, run_programs
-from dlm.sampling import generate
+from dlm.sampling import generate, resolve_options
 
 
 def grade_programs(programs: Sequence[str], answers: Sequence, timeout: float = 1.0) -> list[bool]:
@@ -20,13 +20,15 @@ def grade_programs(programs: Sequence[str], answers: Sequence, timeout: float = 
     return [r.ok and answers_match(r.value, a) for r, a in zip(results, answers)]
 
 
-def evaluate(model, tok, records: Sequence[dict], *, batch_size: int = 50, max_new_tokens: int = 128,
-             temperature: float = 0.0, seed: int = 0, progress: bool = False, **sampler_options) -> dict:
-    """Accuracy, mean NFE, tokens per NFE and wall time of `model` on `records` (which carry an `answer`)."""
+def evaluate(model, tok, records: Sequence[dict], options=None, *, batch_size: int = 50, max_new_tokens: int = 128,
+             temperature: float = 0.0, seed: int = 0, progress: bool = False) -> dict:
+    """Accuracy, mean NFE, tokens per NFE and wall time of `model` on `records` (which carry an `answer`), sampled
+    with `options` (as for `dlm.sampling.generate`: the model family's options, SamplingSettings or None)."""
     if model.spec.family == "reward":  # a reward model generates nothing: pairwise accuracy on chosen vs rejected
         from dlm.evaluation.reward import evaluate_reward
 
         return evaluate_reward(model, tok, records, batch_size=batch_size, seed=seed)
+    options = resolve_options(model.spec.family, options)
     model.eval()
     generator = torch.Generator().manual_seed(seed)
     prompts = [encode_pair(tok, r["prompt"], "")[0] for r in records]
@@ -34,9 +36,9 @@ def evaluate(model, tok, records: Sequence[dict], *, batch_size: int = 50, max_n
     t0 = time.perf_counter()
     batches = range(0, len(records), batch_size)
     for start in tqdm(batches, desc="generating", unit="batch", disable=not progress, leave=False):
-        out = generate(model, prompts[start : start + batch_size], max_new_tokens=max_new_tokens,
+        out = generate(model, prompts[start : start + batch_size], options, max_new_tokens=max_new_tokens,
                        eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, temperature=temperature,
-                       generator=generator, **sampler_options)
+                       generator=generator)
         texts += [tok.decode(t, skip_special_tokens=True) for t in out.tokens]
         nfes += out.nfe
         n_tokens += sum(len(t) + 1 for t in out.tokens)

@@ -4,37 +4,35 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-# The settings each family's sampler takes; callers pass one dict and each model gets its own share.
-SAMPLER_OPTIONS = {
-    "autoregressive": (),
-    "masked": ("policy", "reveal_count", "confidence_threshold", "block_size", "kv_cache", "cache"),
-    "simplex": ("inference_steps", "top_p", "early_stop_patience", "reward_model", "guidance_scale", "guidance_steps"),
-}
+from dlm.sampling.options import (AutoregressiveOptions, MaskedOptions, SamplingOptions,  # noqa: F401 (re-exported)
+                                  SamplingSettings, SimplexOptions, ignored, parse_options, parse_settings,
+                                  resolve_options)
 
 
-def options_for(family: str, options: dict) -> dict:
-    """The entries of `options` that the sampler of `family` takes (None values dropped: the sampler's default)."""
-    return {k: v for k, v in options.items() if k in SAMPLER_OPTIONS.get(family, ()) and v is not None}
-
-
-def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, eos_id: int, pad_id: int,
-             temperature: float = 0.0, generator=None, **options):
+def generate(model, prompts: Sequence[Sequence[int]], options=None, *, max_new_tokens: int, eos_id: int, pad_id: int,
+             temperature: float = 0.0, generator=None, return_trace: bool = False):
+    """Tokens and per-sample NFE from the sampler of the model's family. `options`: that family's SamplingOptions,
+    SamplingSettings (the family's share), a mapping of option values, or None (the family's defaults); options of
+    another family are an error. `return_trace` records each step (diffusion samplers)."""
     family = model.spec.family
+    if family not in ("autoregressive", "masked", "simplex"):
+        raise NotImplementedError(f"no sampler for model family {family!r} yet")
+    settings = resolve_options(family, options).model_dump()
     if family == "autoregressive":
         from dlm.sampling.autoregressive import generate as ar_generate
 
-        return ar_generate(model, prompts, max_new_tokens, eos_id, pad_id, temperature, generator, **options)
+        if return_trace:
+            raise ValueError("the autoregressive sampler records no trace")
+        return ar_generate(model, prompts, max_new_tokens, eos_id, pad_id, temperature, generator)
     if family == "masked":
         from dlm.sampling.masked import generate as masked_generate
 
         return masked_generate(model, prompts, max_new_tokens, eos_id, pad_id, model.spec.mask_token_id,
-                               temperature=temperature, generator=generator, **options)
-    if family == "simplex":
-        from dlm.sampling.simplex import generate as simplex_generate
+                               temperature=temperature, generator=generator, return_trace=return_trace, **settings)
+    from dlm.sampling.simplex import generate as simplex_generate
 
-        return simplex_generate(model, prompts, max_new_tokens, eos_id, pad_id, temperature=temperature,
-                                generator=generator, **options)
-    raise NotImplementedError(f"no sampler for model family {family!r} yet")
+    return simplex_generate(model, prompts, max_new_tokens, eos_id, pad_id, temperature=temperature,
+                            generator=generator, return_trace=return_trace, **settings)
 
 
 # The precisions a model can be loaded at for decoding (`dlm generate/eval --dtype`).
@@ -68,11 +66,13 @@ def load_for_inference(path, dtype=None):
     return load_model(model_dir, dtype=resolve_dtype(dtype)), load_tokenizer(model_dir)
 
 
-def generate_text(model_path, prompts: Sequence[str], *, max_new_tokens: int = 128, temperature: float = 0.0,
-                  seed: int = 0, show_steps: bool = False, console=None, dtype=None, **options) -> list[dict]:
-    """Generate a response for each prompt (rendered with the model's chat template); returns text and NFE. With
-    `show_steps` a masked model's denoising is rendered step by step in the terminal (TESS 2 Fig. 4 style). `dtype`
-    (e.g. "bfloat16") is the precision the model is loaded and run at."""
+def generate_text(model_path, prompts: Sequence[str], options=None, *, max_new_tokens: int = 128,
+                  temperature: float = 0.0, seed: int = 0, show_steps: bool = False, console=None,
+                  dtype=None) -> list[dict]:
+    """Generate a response for each prompt (rendered with the model's chat template); returns text and NFE. `options`
+    as for `generate`, except that options of another family than the model's give its defaults (the CLI's one set of
+    flags serves any model). With `show_steps` a masked model's denoising is rendered step by step in the terminal
+    (TESS 2 Fig. 4 style). `dtype` (e.g. "bfloat16") is the precision the model is loaded and run at."""
     import torch
 
     from dlm.data.tokenizer import encode_pair
@@ -80,11 +80,11 @@ def generate_text(model_path, prompts: Sequence[str], *, max_new_tokens: int = 1
     model, tok = load_for_inference(model_path, dtype=dtype)
     masked = model.spec.family == "masked"
     traced = show_steps and model.spec.family in ("masked", "simplex")
-    options = options_for(model.spec.family, options)
+    options = resolve_options(model.spec.family, options, strict=False)
     ids = [encode_pair(tok, p, "")[0] for p in prompts]
-    out = generate(model, ids, max_new_tokens=max_new_tokens, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
-                   temperature=temperature, generator=torch.Generator().manual_seed(seed),
-                   **({"return_trace": True} if traced else {}), **options)
+    out = generate(model, ids, options, max_new_tokens=max_new_tokens, eos_id=tok.eos_token_id,
+                   pad_id=tok.pad_token_id, temperature=temperature, generator=torch.Generator().manual_seed(seed),
+                   return_trace=traced)
     results = [{"prompt": p, "response": tok.decode(t, skip_special_tokens=True), "nfe": n}
                for p, t, n in zip(prompts, out.tokens, out.nfe)]
     if show_steps and masked:

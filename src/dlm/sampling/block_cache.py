@@ -24,7 +24,7 @@ import torch
 from transformers import DynamicCache
 
 from dlm.modeling.blocks import block_causal_mask, canvas_blocks
-from dlm.sampling.masked import finished, record_step
+from dlm.sampling.steps import finished, record_step
 
 
 def _select(layers: list[tuple[torch.Tensor, torch.Tensor]], rows: torch.Tensor) -> DynamicCache:

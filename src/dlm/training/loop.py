@@ -201,9 +201,8 @@ class Trainer:
             model = self.unwrapped
             ctx = self.ema.applied(model) if self.ema else _nullcontext(model)
             with ctx:
-                r = evaluate(model, self.tok, records, batch_size=ec.batch_size, max_new_tokens=ec.max_new_tokens,
-                             temperature=ec.temperature, seed=self.recipe.train.seed,
-                             **ec.sampler_options(model.spec.family))
+                r = evaluate(model, self.tok, records, ec, batch_size=ec.batch_size, max_new_tokens=ec.max_new_tokens,
+                             temperature=ec.temperature, seed=self.recipe.train.seed)
             result = {"eval/accuracy": r["accuracy"], "eval/mean_nfe": r["mean_nfe"], "eval/split": split,
                       "eval/n": r["n"], "eval/ms_per_problem": r["ms_per_problem"], "samples": r["samples"]}
         self.acc.wait_for_everyone()
