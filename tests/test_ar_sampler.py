@@ -1,7 +1,7 @@
 import torch
 
-from tests.conftest import tiny_model
 from dlm.sampling.autoregressive import generate
+from tests.conftest import tiny_model
 
 
 def _prompts():

@@ -1,7 +1,5 @@
-import json
 
 import pytest
-import torch
 
 from dlm.data.canvas import collate, left_pad, make_example, pack_documents
 from dlm.data.sources import DataError, load_records, read_jsonl, read_text

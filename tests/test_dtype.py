@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
+from dlm.modeling.build import cast_model
 from dlm.modeling.carry import CARRY_MODULE
 from dlm.modeling.simplex import TIMESTEP_EMBEDDING
-from dlm.modeling.build import cast_model
 from dlm.sampling import generate, load_for_inference
 from tests.conftest import perturb, tiny_model
 from tests.test_simplex import simplex_model

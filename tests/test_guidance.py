@@ -8,7 +8,6 @@ import torch
 
 from dlm.sampling.guidance import check_compatible, reward_guidance, reward_of_logits
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: latency-bound on 1 thread
 
 

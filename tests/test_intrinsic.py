@@ -10,7 +10,6 @@ import torch
 
 from dlm.evaluation.intrinsic import distinct_n, mauve_score, unigram_entropy
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: latency-bound on 1 thread
 
 

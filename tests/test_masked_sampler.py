@@ -3,8 +3,8 @@ import math
 import pytest
 import torch
 
-from tests.conftest import assert_batched_equals_one_by_one, perturb, tiny_model
 from dlm.sampling.masked import generate
+from tests.conftest import assert_batched_equals_one_by_one, perturb, tiny_model
 
 PAD, EOS, MASK, VOCAB = 0, 1, 2, 40
 NEVER = 99  # an EOS id outside the vocabulary: never produced

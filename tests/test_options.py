@@ -13,8 +13,18 @@ import torch
 from pydantic import ValidationError
 
 from dlm.errors import OptionsError
-from dlm.sampling.options import (ALIASES, OPTIONS, AutoregressiveOptions, MaskedOptions, SamplingSettings,
-                                  SimplexOptions, ignored, parse_options, parse_settings, resolve_options)
+from dlm.sampling.options import (
+    ALIASES,
+    OPTIONS,
+    AutoregressiveOptions,
+    MaskedOptions,
+    SamplingSettings,
+    SimplexOptions,
+    ignored,
+    parse_options,
+    parse_settings,
+    resolve_options,
+)
 from tests.conftest import perturb, tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -7,7 +7,6 @@ import copy
 import pytest
 import torch
 
-from tests.conftest import tiny_model
 from dlm.config import ProgressiveConfig
 from dlm.data.canvas import Example, collate
 from dlm.diffusion.masking import loss_weight
@@ -17,6 +16,7 @@ from dlm.modeling.carry import CARRY_MODULE
 from dlm.sampling.masked import generate
 from dlm.training.objectives.progressive import ProgressiveObjective
 from dlm.training.trajectories import TrajectoryPool
+from tests.conftest import tiny_model
 
 PAD, EOS, MASK, VOCAB = 0, 1, 2, 40
 G = torch.Generator

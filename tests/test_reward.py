@@ -9,7 +9,6 @@ import torch
 
 from dlm.modeling.reward import bradley_terry_loss, last_token_index
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: latency-bound on 1 thread
 
 

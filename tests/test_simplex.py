@@ -7,8 +7,17 @@ import math
 import pytest
 import torch
 
-from dlm.diffusion.simplex import (cosine_alpha_bar, from_simplex, inference_timesteps, noise_simplex, project_argmax,
-                                   project_top_p, reverse_step, to_simplex, top_p_sample)
+from dlm.diffusion.simplex import (
+    cosine_alpha_bar,
+    from_simplex,
+    inference_timesteps,
+    noise_simplex,
+    project_argmax,
+    project_top_p,
+    reverse_step,
+    to_simplex,
+    top_p_sample,
+)
 
 
 def simplex_model(vocab=40, label_shift=True, self_conditioning=True, T=100, k=5.0, seed=0):

@@ -5,9 +5,9 @@ import pytest
 import torch
 from rich.console import Console
 
-from tests.conftest import tiny_model
 from dlm.sampling.masked import generate
 from dlm.sampling.trace import EOS_MARK, PLACEHOLDER, render_steps, show_steps, trace_to_records, visible
+from tests.conftest import tiny_model
 
 G, U = 8, 2
 

@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # the recipe's sections, read by field: data sits below the r
 SPLITS = ("train", "validation", "test")
 
 
-def load_splits(cfg: "DataConfig", default_dir: Path) -> dict[str, list[dict]]:
+def load_splits(cfg: DataConfig, default_dir: Path) -> dict[str, list[dict]]:
     """Records of each available split; tinymath is generated (once, deterministically) into `cfg.dir`."""
     if cfg.source == "tinymath":
         from dlm.data.tinymath import write_tinymath
@@ -46,7 +46,7 @@ def load_splits(cfg: "DataConfig", default_dir: Path) -> dict[str, list[dict]]:
     return splits
 
 
-def build_tokenizer(cfg: "ModelConfig", train_records: Sequence[dict], cache_dir: Path):
+def build_tokenizer(cfg: ModelConfig, train_records: Sequence[dict], cache_dir: Path):
     if cfg.tokenizer == "builtin":
         texts = [r["text"] for r in train_records] if "text" in train_records[0] else corpus_texts(train_records)
         return train_bpe_tokenizer(texts, cfg.vocab_size, cache_dir=cache_dir)

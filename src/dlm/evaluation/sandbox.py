@@ -23,9 +23,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Sequence
 
 _MAX_RESULT = 1 << 20  # bytes of JSON result accepted from the child
 _MAX_ERROR = 500  # characters of error message kept

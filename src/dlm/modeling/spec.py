@@ -53,7 +53,7 @@ class ModelSpec(BaseModel):
         return path
 
     @classmethod
-    def load(cls, directory: str | Path) -> "ModelSpec":
+    def load(cls, directory: str | Path) -> ModelSpec:
         path = Path(directory) / SPEC_FILE
         try:
             return cls.model_validate_json(path.read_text())

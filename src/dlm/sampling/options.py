@@ -13,8 +13,16 @@ import os
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal, get_args
 
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WrapValidator, create_model,
-                      model_validator)
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    WrapValidator,
+    create_model,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from dlm.errors import OptionsError
