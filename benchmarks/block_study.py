@@ -76,8 +76,8 @@ def main() -> None:
         if recipe_path is None or (out / arm / "model" / "config.json").is_file():
             continue
         overrides = [f"model.init_from={args.warm_start}", f"data.dir={args.data}", f"train.steps={args.steps}",
-                     f"train.seed={args.seed}", f"out_dir={out / arm}", f"name=block-{arm}", "train.checkpoint_every=50",
-                     "eval.n=20", "eval.test_n=20", *sets]
+                     f"train.seed={args.seed}", f"out_dir={out / arm}", f"name=block-{arm}",
+                     "train.checkpoint_every=50", "eval.n=20", "eval.test_n=20", *sets]
         t0 = time.time()
         print(f"== training {arm} ({label}) ==", flush=True)
         train(load_recipe(recipe_path, overrides), resume=(out / arm / "checkpoints" / "latest").is_file(),

@@ -1,7 +1,8 @@
 """Where does a masked sampler spend its forward passes? For each test problem, count the positions revealed up to and
 including the first EOS of the final answer and those revealed after it (filler that does not change the answer).
 
-    python benchmarks/masked_nfe_breakdown.py runs/demo/mdm --data runs/demo/data/test.jsonl --n 100 --policy top_u --u 1
+    python benchmarks/masked_nfe_breakdown.py runs/demo/mdm --data runs/demo/data/test.jsonl --n 100 \\
+        --policy top_u --u 1
 """
 
 from __future__ import annotations

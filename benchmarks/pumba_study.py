@@ -7,7 +7,8 @@ every u on the same test problems; results go to a JSON table and two plots.
         --data runs/calib-ar-medium/data --steps 200 --arms pu,mdm,w1,w2,mdm2,w4 --u 2,8,4,16,1 --n 100 \\
         --json docs/results/pumba-tinymath.json --plot docs/results/pumba-tinymath.png
 
-Arms: warm (the warm start itself, evaluated only), ar (AR continuation of --ar-start), mdm, mdm2 (MDM ×2 updates), pu, w1, w2, w4, w8 (PU + carry, BPTT window W).
+Arms: warm (the warm start itself, evaluated only), ar (AR continuation of --ar-start), mdm, mdm2 (MDM ×2 updates),
+pu, w1, w2, w4, w8 (PU + carry, BPTT window W).
 """
 
 from __future__ import annotations
@@ -78,7 +79,8 @@ def main() -> None:
         if not (run / "model" / "config.json").is_file():
             t0 = time.time()
             print(f"== training {arm} ({label}) ==", flush=True)
-            train(load_recipe(recipe_path, overrides), resume=(run / "checkpoints" / "latest").is_file(), progress=False)
+            train(load_recipe(recipe_path, overrides), resume=(run / "checkpoints" / "latest").is_file(),
+                  progress=False)
             (run / "train_seconds.txt").write_text(f"{time.time() - t0:.1f}\n")
     # Phase 2: the u sweep, one u at a time across arms (the most informative values first).
     for u in us:
@@ -130,7 +132,8 @@ def plot(table: dict, path: str) -> None:
         label = rows[0]["label"]
         if arm == "ar":
             for ax in (a, b):
-                ax.axhline(100 * rows[0]["accuracy"], color="k", ls="--", lw=1, label=f"AR ({100 * rows[0]['accuracy']:.1f} %)")
+                ax.axhline(100 * rows[0]["accuracy"], color="k", ls="--", lw=1,
+                           label=f"AR ({100 * rows[0]['accuracy']:.1f} %)")
             continue
         a.plot([r["u"] for r in rows], [100 * r["accuracy"] for r in rows], marker="o", label=label)
         b.plot([r["mean_nfe"] for r in rows], [100 * r["accuracy"] for r in rows], marker="o", label=label)

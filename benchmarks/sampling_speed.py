@@ -104,7 +104,8 @@ def settings(model, args) -> list[dict]:
             cache = "kv" if block_causal else "none"
         if (cache == "kv" and not block_causal) or (cache in ("prefix", "dual") and (block_causal or not block_size)):
             continue
-        opts = {"block_size": block_size, "kv_cache": cache == "kv", "cache": cache if cache in ("prefix", "dual") else None}
+        opts = {"block_size": block_size, "kv_cache": cache == "kv",
+                "cache": cache if cache in ("prefix", "dual") else None}
         if args.policy == "top_u":
             out.append({"policy": "top_u", "reveal_count": args.u, **opts})
         else:
@@ -169,9 +170,10 @@ def run(args) -> dict:
                     n = len(records)
                     row = {"model": str(path), "family": model.spec.family, "attention": model.spec.attention,
                            "dtype": dtype, "threads": threads, **options, "batch_size": batch_size, "n": n,
-                           "accuracy": sum(correct) / n, "mean_nfe": sum(nfe) / n, "tokens": sum(map(len, tokens)), "wall_s": wall,
-                           "tokens_per_s": sum(map(len, tokens)) / wall, "ms_per_problem": 1000 * wall / n,
-                           "forward_share": timer.seconds / wall, "forwards": timer.calls}
+                           "accuracy": sum(correct) / n, "mean_nfe": sum(nfe) / n, "tokens": sum(map(len, tokens)),
+                           "wall_s": wall, "tokens_per_s": sum(map(len, tokens)) / wall,
+                           "ms_per_problem": 1000 * wall / n, "forward_share": timer.seconds / wall,
+                           "forwards": timer.calls}
                     rows.append(row)
                     print(f"{Path(path).name} {describe(row)} batch {batch_size}: acc {100 * row['accuracy']:.1f}% | "
                           f"NFE {row['mean_nfe']:.1f} | {row['tokens_per_s']:.0f} tok/s | "

@@ -80,8 +80,9 @@ def speed_section(model, tok, records, values, args) -> dict:
     ar_s = _timed(lambda: generate(ar, prompts, max_new_tokens=G, eos_id=-1, pad_id=ar_tok.pad_token_id), args.repeats)
     rows = []
     for steps in values:
-        s = _timed(lambda: generate(model, prompts, SimplexOptions(inference_steps=int(steps)), max_new_tokens=G,
-                                    eos_id=tok.eos_token_id, pad_id=tok.pad_token_id), args.repeats)
+        s = _timed(lambda steps=steps: generate(model, prompts, SimplexOptions(inference_steps=int(steps)),
+                                                max_new_tokens=G, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id),
+                   args.repeats)
         rows.append({"inference_steps": int(steps), "simplex_s": s, "ar_s": ar_s, "ratio": s / ar_s})
         print(json.dumps(rows[-1]), flush=True)
     return {"batch": B, "gen_length": G, "prompt_tokens_mean": sum(map(len, prompts)) / B, "params_simplex": n_params,

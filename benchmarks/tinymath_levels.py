@@ -47,7 +47,8 @@ def main() -> None:
         steps = [m["step"] for m in r["metrics"]]
         ax1.plot(steps, [m["loss"] for m in r["metrics"]], label=r["level"])
         ev = [m for m in r["metrics"] if "eval/accuracy" in m]
-        line, = ax2.plot([m["step"] for m in ev], [100 * m["eval/accuracy"] for m in ev], "o-", label=f"{r['level']} (validation)")
+        line, = ax2.plot([m["step"] for m in ev], [100 * m["eval/accuracy"] for m in ev], "o-",
+                         label=f"{r['level']} (validation)")
         ax2.plot([r["metrics"][-1]["step"]], [100 * r["test"]["eval/accuracy"]], "*", ms=12, color=line.get_color())
     ax1.set(xlabel="update", ylabel="training loss (per response token)", yscale="log", title="AR baseline: loss")
     ax2.set(xlabel="update", ylabel="accuracy (%)", ylim=(0, 100),
@@ -62,24 +63,25 @@ def main() -> None:
     lines = [
         "# tinymath levels: how hard is each for the AR baseline?", "",
         f"- date {datetime.date.today()}, machine: {platform.machine()} CPU, 2 cores, fp32",
-        f"- recipe: `recipes/tinymath/ar.yaml` ({r0['model']['arch']} preset `{r0['model']['preset']}`, causal attention, "
-        f"byte-level BPE {r0['model']['vocab_size']}), {r0['train']['steps']} updates × batch {r0['train']['batch_size']}, "
-        f"lr {r0['optim']['lr']} with {r0['optim']['warmup_steps']} warmup updates then cosine, seed {r0['train']['seed']}, "
-        f"{r0['data']['n_train']} training problems per level",
-        "- greedy decoding with a KV cache; a problem counts as solved when the generated `solution()` returns the answer "
-        "in the sandbox", "- commands: see the docstring of `benchmarks/tinymath_levels.py`", "",
-        "| level | test accuracy | trivial baseline | validation acc. @500 | @1000 | final loss | wall time* | mean NFE |",
+        f"- recipe: `recipes/tinymath/ar.yaml` ({r0['model']['arch']} preset `{r0['model']['preset']}`, "
+        f"causal attention, byte-level BPE {r0['model']['vocab_size']}), {r0['train']['steps']} updates × batch "
+        f"{r0['train']['batch_size']}, lr {r0['optim']['lr']} with {r0['optim']['warmup_steps']} warmup updates then "
+        f"cosine, seed {r0['train']['seed']}, {r0['data']['n_train']} training problems per level",
+        "- greedy decoding with a KV cache; a problem counts as solved when the generated `solution()` returns the "
+        "answer in the sandbox", "- commands: see the docstring of `benchmarks/tinymath_levels.py`", "",
+        "| level | test accuracy | trivial baseline | validation acc. @500 | @1000 | final loss | wall time* "
+        "| mean NFE |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
         ev = {m["step"]: m["eval/accuracy"] for m in r["metrics"] if "eval/accuracy" in m}
         t = r["test"]
-        lines.append(f"| {r['level']} | **{100 * t['eval/accuracy']:.1f} %** (n={r['n_test']}) | {100 * r['trivial']:.1f} % | "
-                     f"{100 * ev.get(500, float('nan')):.0f} % | {100 * ev.get(1000, float('nan')):.0f} % | "
-                     f"{r['metrics'][-1]['loss']:.3f} | {r['metrics'][-1]['elapsed_s'] / 60:.1f} min | "
-                     f"{t.get('eval/mean_nfe', float('nan')):.1f} |")
-    lines += ["", "\\* wall time of the training run on a shared 2-core machine (other jobs ran beside some of these runs): "
-              "not a speed measurement — see `training-throughput.md` for that.",
+        lines.append(f"| {r['level']} | **{100 * t['eval/accuracy']:.1f} %** (n={r['n_test']}) | "
+                     f"{100 * r['trivial']:.1f} % | {100 * ev.get(500, float('nan')):.0f} % | "
+                     f"{100 * ev.get(1000, float('nan')):.0f} % | {r['metrics'][-1]['loss']:.3f} | "
+                     f"{r['metrics'][-1]['elapsed_s'] / 60:.1f} min | {t.get('eval/mean_nfe', float('nan')):.1f} |")
+    lines += ["", "\\* wall time of the training run on a shared 2-core machine (other jobs ran beside some of these "
+              "runs): not a speed measurement — see `training-throughput.md` for that.",
               "", f"![loss and accuracy per level]({png.name})", ""]
     if a.notes:
         lines += [a.notes.read_text()]

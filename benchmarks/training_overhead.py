@@ -10,8 +10,8 @@ Memory: on CUDA, torch.cuda.max_memory_allocated; on CPU, two measures: (1) the 
 (ru_maxrss) minus its resident size just before the first update (it counts what training adds, and also what the
 allocator keeps after freeing); (2) `live_peak_mib`, the CPU counterpart of max_memory_allocated: one extra update
 runs under a dispatch mode that follows every tensor storage from creation to release, and reports the peak of
-the bytes alive at once, plus the parameters and optimizer state that exist before the update. Goals (issue 4): PU ≤ 1.10 × MDM; W-step BPTT ≤ 1.05 × W × (carry W=1) per update; peak
-memory at W=8 with checkpointing ≤ 2 × W=1.
+the bytes alive at once, plus the parameters and optimizer state that exist before the update. Goals (issue 4):
+PU ≤ 1.10 × MDM; W-step BPTT ≤ 1.05 × W × (carry W=1) per update; peak memory at W=8 with checkpointing ≤ 2 × W=1.
 """
 
 from __future__ import annotations
@@ -192,8 +192,9 @@ def main() -> None:
         if mdm and r.get("live_peak_mib") and mdm.get("live_peak_mib"):
             r["live_memory_vs_mdm"] = r["live_peak_mib"] / mdm["live_peak_mib"]
     meta = {"command": " ".join(sys.argv), "preset": args.preset, "batch_size": args.batch_size,
-            "canvas": 144, "updates_timed": args.updates, "machine": f"{platform.machine()} {platform.processor()}".strip(),
-            "date": time.strftime("%Y-%m-%d"), "notes": args.notes}
+            "canvas": 144, "updates_timed": args.updates,
+            "machine": f"{platform.machine()} {platform.processor()}".strip(), "date": time.strftime("%Y-%m-%d"),
+            "notes": args.notes}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
     print(json.dumps(meta))

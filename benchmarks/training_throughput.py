@@ -79,23 +79,25 @@ def main() -> None:
     for r in rows:
         r["fraction_of_gemm"] = r["model_flops_per_s"] / peak
         print(json.dumps(r))
-    cmd = (f"python benchmarks/training_throughput.py --batch {a.batch} --seq {a.seq} --vocab {a.vocab} --threads {a.threads}"
-           + (f" --notes {a.notes}" if a.notes else ""))
+    cmd = (f"python benchmarks/training_throughput.py --batch {a.batch} --seq {a.seq} --vocab {a.vocab} "
+           f"--threads {a.threads}" + (f" --notes {a.notes}" if a.notes else ""))
     lines = [
         "# Training throughput of the size presets", "",
         f"- command: `{cmd}`",
-        f"- machine: {platform.machine()}, {a.threads} threads, torch {torch.__version__}, fp32; date {datetime.date.today()}",
+        f"- machine: {platform.machine()}, {a.threads} threads, torch {torch.__version__}, fp32; "
+        f"date {datetime.date.today()}",
         f"- measured fp32 GEMM peak (1024³ matmul, best of 20): **{peak / 1e9:.1f} GFLOP/s**",
         f"- workload: one AR training update (forward, backward, clipping, AdamW) on {a.batch} × {a.seq} tokens, "
         f"vocab {a.vocab}; median of {a.steps} updates after 2 warm-up updates",
-        "- model FLOP/s = 6 · N · tokens/s with N = all parameters (tied embeddings counted once: the LM head is a real "
-        "matmul); attention-score FLOPs are not counted, so the fraction slightly understates the work done.", "",
+        "- model FLOP/s = 6 · N · tokens/s with N = all parameters (tied embeddings counted once: the LM head is a "
+        "real matmul); attention-score FLOPs are not counted, so the fraction slightly understates the work done.", "",
         "| preset | params (M) | non-embedding (M) | s / update | tokens/s | model GFLOP/s | fraction of GEMM peak |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        lines.append(f"| {r['preset']} | {r['params_M']:.2f} | {r['non_embedding_params_M']:.2f} | {r['s_per_update']:.3f} | "
-                     f"{r['tokens_per_s']:.0f} | {r['model_flops_per_s'] / 1e9:.1f} | {100 * r['fraction_of_gemm']:.0f} % |")
+        lines.append(f"| {r['preset']} | {r['params_M']:.2f} | {r['non_embedding_params_M']:.2f} | "
+                     f"{r['s_per_update']:.3f} | {r['tokens_per_s']:.0f} | {r['model_flops_per_s'] / 1e9:.1f} | "
+                     f"{100 * r['fraction_of_gemm']:.0f} % |")
     if a.notes:
         lines += ["", a.notes.read_text()]
     a.out.parent.mkdir(parents=True, exist_ok=True)

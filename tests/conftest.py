@@ -15,7 +15,8 @@ torch.set_num_threads(int(os.environ.get("DLM_TEST_THREADS", "2")))
 def tiny_tokenizer(tmp_path_factory):
     from dlm.data.tokenizer import train_bpe_tokenizer
 
-    texts = [f"user: Mia has {i} apples and {i + 3} pears.\nassistant: def solution():\n    apples = {i}\n    return apples"
+    texts = [f"user: Mia has {i} apples and {i + 3} pears.\nassistant: def solution():\n    apples = {i}\n"
+             "    return apples"
              for i in range(300)]
     return train_bpe_tokenizer(texts, 300, cache_dir=tmp_path_factory.mktemp("tok"))
 

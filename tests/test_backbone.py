@@ -1,8 +1,8 @@
 import torch
 
-from tests.conftest import tiny_model
 from dlm.modeling.backbone import align_logits, build_backbone, load_backbone
 from dlm.modeling.build import load_model
+from tests.conftest import tiny_model
 
 
 def _changes_first_position(model, vocab=100):

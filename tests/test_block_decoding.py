@@ -202,7 +202,8 @@ def test_fast_dllm_first_step_of_each_block_is_exact(label_shift):
             for policy, options in POLICIES:
                 out = generate(m, [prompt], 12, NEVER, PAD, MASK, policy=policy, block_size=block_size, cache=cache,
                                return_trace=True, **options)
-                assert _first_step_of_each_block(m, prompt, out.trace, 12, block_size, policy, options) == 12 // block_size
+                assert (_first_step_of_each_block(m, prompt, out.trace, 12, block_size, policy, options)
+                        == 12 // block_size)
 
 
 def test_fast_dllm_prefix_equals_dual_with_one_block_and_both_are_valid():

@@ -30,7 +30,8 @@ def block_model(label_shift=True, block_size=4, seed=0, carry=False):
 
 
 def batch_of(block_size=4):
-    examples = [Example([5, 6, 7], [10, 11, 12, 13, 14]), Example([8, 9], [20, 21]), Example([30, 31, 32, 33, 34], [40])]
+    examples = [Example([5, 6, 7], [10, 11, 12, 13, 14]), Example([8, 9], [20, 21]),
+                Example([30, 31, 32, 33, 34], [40])]
     return collate(examples, EOS, PAD, block_size=block_size)
 
 

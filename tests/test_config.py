@@ -4,7 +4,8 @@ from dlm.config import RecipeError, load_recipe
 
 
 def test_defaults_and_overrides():
-    r = load_recipe(None, ["train.steps=7", "optim.lr=3e-4", "model.attention=bidirectional", "optim.betas=[0.9, 0.99]"])
+    r = load_recipe(None, ["train.steps=7", "optim.lr=3e-4", "model.attention=bidirectional",
+                           "optim.betas=[0.9, 0.99]"])
     assert r.train.steps == 7 and r.optim.lr == 3e-4 and r.model.attention == "bidirectional"
     assert r.optim.betas == (0.9, 0.99)
     assert r.optim.weight_decay == 0.01 and r.optim.eps == 1e-8 and r.optim.grad_clip == 1.0

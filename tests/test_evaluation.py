@@ -11,7 +11,8 @@ def test_reference_programs_grade_correct_and_corrupted_ones_wrong():
     rng = random.Random(0)
     assert not any(grade_programs([corrupt_program(rng, r) for r in records], answers))
     # a hostile generation is just a wrong answer, not a crash of the grader
-    assert grade_programs(["import os\ndef solution():\n    os.system('true')\n    return 1", "def solution(:"], [1, 1]) == [False, False]
+    assert grade_programs(["import os\ndef solution():\n    os.system('true')\n    return 1", "def solution(:"],
+                          [1, 1]) == [False, False]
 
 
 def test_trivial_baseline_is_most_common_answer_share():

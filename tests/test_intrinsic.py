@@ -62,9 +62,10 @@ def test_intrinsic_table_end_to_end(tmp_path, tiny_tokenizer):
     sx.save_pretrained(tmp_path / "sx")
     tiny_tokenizer.save_pretrained(tmp_path / "sx")
     data = tmp_path / "d.jsonl"
-    data.write_text("".join(json.dumps({"prompt": p, "response": r}) + "\n" for p, r in zip(prompts * 10, responses * 10)))
-    result = run_intrinsic([tmp_path / "sx"], data, tmp_path / "ar", SimplexOptions(inference_steps=2), max_new_tokens=6,
-                           with_mauve=False, progress=False, out=tmp_path / "out.json")
+    data.write_text("".join(json.dumps({"prompt": p, "response": r}) + "\n"
+                            for p, r in zip(prompts * 10, responses * 10)))
+    result = run_intrinsic([tmp_path / "sx"], data, tmp_path / "ar", SimplexOptions(inference_steps=2),
+                           max_new_tokens=6, with_mauve=False, progress=False, out=tmp_path / "out.json")
     rows = result["rows"]
     assert [r["model"] for r in rows] == ["references", str(tmp_path / "sx")] and rows[1]["inference_steps"] == 2
     assert all(r["perplexity"] > 1 and 0 <= r["dist_1"] <= 1 for r in rows)
@@ -90,7 +91,8 @@ def test_cli_intrinsic(tmp_path, tiny_tokenizer, capsys):
                             for i in range(6)))
     with pytest.raises(SystemExit, match="--reference-model"):
         main(["eval", str(tmp_path / "sx"), "--metric", "intrinsic", "--data", str(data)])
-    main(["eval", str(tmp_path / "sx"), "--metric", "intrinsic", "--reference-model", str(tmp_path / "ar"), "--no-mauve",
-          "--data", str(data), "--steps", "3", "--max-new-tokens", "5", "--out", str(tmp_path / "i.json")])
+    main(["eval", str(tmp_path / "sx"), "--metric", "intrinsic", "--reference-model", str(tmp_path / "ar"),
+          "--no-mauve", "--data", str(data), "--steps", "3", "--max-new-tokens", "5",
+          "--out", str(tmp_path / "i.json")])
     rows = json.loads((tmp_path / "i.json").read_text())["rows"]
     assert rows[1]["inference_steps"] == 3 and "accuracy" in rows[1] and "mauve" not in rows[1]

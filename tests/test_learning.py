@@ -66,4 +66,5 @@ def test_mdm_adapted_from_ar_learns_tinymath(ar_run):
     assert curve[-1] < 0.35 * curve[0]  # the min(1/t, 5)-weighted masked loss falls (3.6 → 0.7 in calibration)
     assert before <= floor
     # calibration run (same seed and config, 2 threads): 15.5 % vs untrained 0 % and trivial 7 %
-    assert after >= floor + 0.03 and after >= before + 0.06, f"MDM accuracy {after:.3f} (untrained {before:.3f}, trivial {floor:.3f})"
+    assert after >= floor + 0.03 and after >= before + 0.06, (
+        f"MDM accuracy {after:.3f} (untrained {before:.3f}, trivial {floor:.3f})")

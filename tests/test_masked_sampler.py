@@ -87,7 +87,8 @@ def test_matches_reference_for_each_policy_full_and_block():
 
 def test_reference_cases_exercise_the_threshold():
     """The threshold policy reveals several positions in some steps and falls back to one in others."""
-    out = generate(_model(), _prompts(), 12, NEVER, PAD, MASK, policy="threshold", confidence_threshold=0.6, return_trace=True)
+    out = generate(_model(), _prompts(), 12, NEVER, PAD, MASK, policy="threshold", confidence_threshold=0.6,
+                   return_trace=True)
     per_step = [int(step["revealed"].sum(-1).max()) for step in out.trace]
     assert max(per_step) > 1 and min(per_step) == 1
 
@@ -121,7 +122,8 @@ def test_stops_at_eos_with_nfe_savings():
         cut = full.index(eos) if eos in full else G
         assert toks == full[:cut]
         # the first step after which positions 0..cut (the EOS included) are all revealed
-        expected = next(s + 1 for s, step in enumerate(free.trace) if (step["canvas"][b, P : P + cut + 1] != MASK).all())
+        expected = next(s + 1 for s, step in enumerate(free.trace)
+                        if (step["canvas"][b, P : P + cut + 1] != MASK).all())
         assert nfe == (expected if eos in full else free.nfe[b])
     assert out.nfe[0] <= 2 < free.nfe[0] == math.ceil(G / 2)
 

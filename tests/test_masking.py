@@ -28,7 +28,6 @@ def test_masked_fraction_matches_t_statistically():
     B, L, P = 2000, 50, 10
     maskable = _maskable(B, L, torch.full((B,), P))
     masked, t = sample_mask(maskable, g)
-    M = L - P
     assert abs(t.mean().item() - 0.5) < 0.03  # E[ceil(tM)/M] = 0.5 + 1/(2M)
     assert abs((t <= 0.25).float().mean().item() - 0.25) < 0.03  # t is ~uniform
     freq = masked[:, P:].float().mean(0)  # marginal probability each maskable position is masked
@@ -86,12 +85,13 @@ def _hand_loss(logits, targets, in_loss, t, cap, z):
 
 
 def test_loss_matches_hand_computation():
-    logits = [[[1.0, 2.0, 0.5], [0.0, 0.0, 3.0]], [[2.0, -1.0, 0.0], [1.0, 1.0, 1.0]], [[0.3, 0.2, 0.1], [4.0, 0.0, 0.0]]]
+    logits = [[[1.0, 2.0, 0.5], [0.0, 0.0, 3.0]], [[2.0, -1.0, 0.0], [1.0, 1.0, 1.0]],
+              [[0.3, 0.2, 0.1], [4.0, 0.0, 0.0]]]
     targets = [[1, 0], [0, 2], [2, 0]]
     masked = [[True, True], [True, False], [True, True]]
     loss_mask = [[True, True], [True, True], [False, True]]
     t = [0.1, 0.5, 1.0]  # weights 5 (capped), 2, 1
-    in_loss = [[m and l for m, l in zip(mr, lr)] for mr, lr in zip(masked, loss_mask)]
+    in_loss = [[m and lm for m, lm in zip(mr, lr)] for mr, lr in zip(masked, loss_mask)]
     args = [torch.tensor(logits), torch.tensor(targets), torch.tensor(masked), torch.tensor(loss_mask), torch.tensor(t)]
     for z in (0.0, 1e-5, 0.5):
         loss_sum, count = mdm_loss(*args, weight_cap=5.0, z_loss=z)
@@ -109,7 +109,8 @@ def test_loss_matches_hand_computation():
 
 
 def test_padding_can_be_masked_but_never_counted():
-    batch = collate([make_example([5, 6, 7], [8, 9], 16), make_example([5], [8, 9, 10, 11, 12, 13], 16)], eos_id=1, pad_id=0)
+    batch = collate([make_example([5, 6, 7], [8, 9], 16), make_example([5], [8, 9, 10, 11, 12, 13], 16)],
+                    eos_id=1, pad_id=0)
     maskable, loss_mask = batch["maskable"], batch["loss_mask"]
     pad = maskable & ~loss_mask
     assert pad.any()

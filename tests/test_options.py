@@ -63,7 +63,8 @@ def test_unknown_and_wrong_family_keys():
         MaskedOptions(confidence=0.5)
     with pytest.raises(OptionsError, match="'tau' is a short name; the option is 'confidence_threshold'"):
         parse_options("masked", {"tau": 0.5})
-    with pytest.raises(OptionsError, match="^--tau: confidence_threshold is a masked-sampler option; autoregressive models"):
+    with pytest.raises(OptionsError,
+                       match="^--tau: confidence_threshold is a masked-sampler option; autoregressive models"):
         parse_options("autoregressive", {"confidence_threshold": 0.5}, names={"confidence_threshold": "--tau"})
     # not strict: the AR model simply gets its (empty) options, and `ignored` says what it left out and why
     assert parse_options("autoregressive", {"confidence_threshold": 0.5, "block_size": None}, strict=False) \
@@ -86,7 +87,8 @@ def test_settings_give_each_family_its_share():
     assert s.sampling_options("masked") == MaskedOptions(confidence_threshold=0.5)
     assert s.sampling_options("simplex") == SimplexOptions(inference_steps=7)
     assert s.sampling_options("autoregressive") == AutoregressiveOptions()
-    assert ignored("autoregressive", s) == ["confidence_threshold (masked sampler)", "inference_steps (simplex sampler)"]
+    assert ignored("autoregressive", s) == ["confidence_threshold (masked sampler)",
+                                            "inference_steps (simplex sampler)"]
     assert ignored("masked", MaskedOptions(reveal_count=4)) == []
     assert resolve_options("masked", None) == MaskedOptions()
     assert resolve_options("masked", {"reveal_count": 4}).reveal_count == 4
@@ -149,10 +151,13 @@ def test_flags_are_generated_from_the_fields(command):
 # What each flag the docs use meant before the options were typed (the old argparse defaults were these defaults).
 DOCUMENTED = [(["--sampler", "threshold"], "masked", {"policy": "threshold"}),
               (["--policy", "top_u"], "masked", {"policy": "top_u"}),
-              (["--u", "4"], "masked", {"reveal_count": 4}), (["--tau", "0.95"], "masked", {"confidence_threshold": 0.95}),
-              (["--block-size", "32"], "masked", {"block_size": 32}), (["--no-kv-cache"], "masked", {"kv_cache": False}),
+              (["--u", "4"], "masked", {"reveal_count": 4}),
+              (["--tau", "0.95"], "masked", {"confidence_threshold": 0.95}),
+              (["--block-size", "32"], "masked", {"block_size": 32}),
+              (["--no-kv-cache"], "masked", {"kv_cache": False}),
               (["--block-size", "8", "--cache", "dual"], "masked", {"block_size": 8, "cache": "dual"}),
-              (["--steps", "25"], "simplex", {"inference_steps": 25}), (["--top-p", "0.99"], "simplex", {"top_p": 0.99}),
+              (["--steps", "25"], "simplex", {"inference_steps": 25}),
+              (["--top-p", "0.99"], "simplex", {"top_p": 0.99}),
               (["--early-stop", "1"], "simplex", {"early_stop_patience": 1}),
               (["--reward-model", "runs/reward", "--eta", "0.25", "--guidance-steps", "2"], "simplex",
                {"reward_model": "runs/reward", "guidance_scale": 0.25, "guidance_steps": 2}),
@@ -184,7 +189,7 @@ def test_every_documented_command_parses_and_validates():
 
     commands = list(_documented_commands())
     assert len(commands) >= 15
-    for where, argv in commands:
+    for _where, argv in commands:
         args = build_parser().parse_args(argv)
         settings = _sampling_settings(args)
         if argv[0] == "eval":
@@ -249,7 +254,8 @@ def test_generate_with_options_equals_the_family_sampler(kind, options):
     if kind == "simplex":
         m, fn, extra = simplex_model(vocab=VOCAB), simplex.generate, ()
     else:
-        m = _masked(**{"full": {}, "block": dict(attention="block_causal", block_size=4), "carry": dict(carry=True)}[kind])
+        m = _masked(**{"full": {}, "block": dict(attention="block_causal", block_size=4),
+                       "carry": dict(carry=True)}[kind])
         fn, extra = masked.generate, (MASK,)
     kwargs = {} if options is None else options.model_dump(exclude_defaults=True)
     direct = fn(m, _prompts(), 10, NEVER, PAD, *extra, generator=torch.Generator().manual_seed(0), **kwargs)

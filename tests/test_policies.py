@@ -20,7 +20,8 @@ def _idx(reveal):
 
 
 def test_top_u_hand_cases():
-    conf = _c([0.1, 0.5, 0.3, 0.5, 0.2], [0.5, 0.2, 0.5, 0.5, 0.9], [0.9, 0.1, 0.2, 0.0, 0.0], [0.9, 0.8, 0.7, 0.6, 0.5])
+    conf = _c([0.1, 0.5, 0.3, 0.5, 0.2], [0.5, 0.2, 0.5, 0.5, 0.9], [0.9, 0.1, 0.2, 0.0, 0.0],
+              [0.9, 0.8, 0.7, 0.6, 0.5])
     masked = _m([T, T, T, T, F], [T, T, T, T, F], [F, T, F, F, F], [F, F, F, F, F])
     # row 0: tie at 0.5, both inside the top 2; row 1: three-way tie, lower positions win, the unmasked 0.9 is ignored;
     # row 2: fewer than u masked -> all of them; row 3: nothing masked -> nothing
@@ -30,7 +31,8 @@ def test_top_u_hand_cases():
 
 
 def test_threshold_hand_cases():
-    conf = _c([0.95, 0.2, 0.91, 0.5], [0.95, 0.2, 0.91, 0.5], [0.3, 0.3, 0.1, 0.99], [0.99, 0.99, 0.99, 0.99], [0.9, 0.2, 0.9, 0.1])
+    conf = _c([0.95, 0.2, 0.91, 0.5], [0.95, 0.2, 0.91, 0.5], [0.3, 0.3, 0.1, 0.99], [0.99, 0.99, 0.99, 0.99],
+              [0.9, 0.2, 0.9, 0.1])
     masked = _m([T, T, T, T], [F, T, F, T], [T, T, T, F], [F, F, F, F], [F, T, T, T])
     # row 0: two above tau; row 1: none above among the masked -> the most confident (3); row 2: fallback with a tie
     # -> lower position; row 3: nothing masked; row 4: confidence == tau counts

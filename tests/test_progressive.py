@@ -64,7 +64,8 @@ def test_stage_construction_step_hand_case():
     order = [6, 3, 5, 7, 2, 4]  # by confidence
     seen = set()
     for seed in range(40):
-        reveal, retire, stage = c.step(conf, masked, maskable, revealed, torch.tensor([1]), maskable, G().manual_seed(seed))
+        reveal, retire, stage = c.step(conf, masked, maskable, revealed, torch.tensor([1]), maskable,
+                                       G().manual_seed(seed))
         n = int(reveal.sum())
         assert 2 <= n <= 4 and reveal[0, order[:n]].all()  # the n most confident (6 is also above tau)
         assert stage.item() == min(3, (2 + n) * 4 // 8) and not retire.item()
@@ -74,7 +75,8 @@ def test_stage_construction_step_hand_case():
     revealed = torch.zeros(1, 8, dtype=torch.bool)
     revealed[0, :6] = True
     conf = torch.tensor([[0.0] * 6 + [0.5, 0.4]])
-    reveal, retire, _ = c.step(conf, maskable & ~revealed, maskable, revealed, torch.tensor([3]), maskable, G().manual_seed(0))
+    reveal, retire, _ = c.step(conf, maskable & ~revealed, maskable, revealed, torch.tensor([3]), maskable,
+                               G().manual_seed(0))
     assert reveal.tolist() == [[False] * 6 + [True, False]] and retire.item()
     # Padding out of the loss: once the loss positions are revealed the trajectory retires before stage K-1.
     loss_mask = torch.tensor([[True] * 5 + [False] * 3])
@@ -126,7 +128,8 @@ def _collate(examples, pad_to=None):
 
 def test_pool_retires_and_refills():
     stream = _Stream()
-    pool = TrajectoryPool(3, 10, stream.take, _collate, MASK, ThresholdConstruction(2, None), G().manual_seed(0), carry_dim=4)
+    pool = TrajectoryPool(3, 10, stream.take, _collate, MASK, ThresholdConstruction(2, None), G().manual_seed(0),
+                          carry_dim=4)
     assert stream.i == 3 and (pool.canvas[pool.maskable] == MASK).all() and (pool.canvas[~pool.maskable] != MASK).all()
     rows = torch.arange(3)
     pool.carry += 1.0
@@ -148,14 +151,17 @@ def test_pool_retires_and_refills():
 
 def test_pool_state_roundtrip():
     stream = _Stream()
-    pool = TrajectoryPool(2, 10, stream.take, _collate, MASK, ThresholdConstruction(2, 0.9), G().manual_seed(0), carry_dim=3)
+    pool = TrajectoryPool(2, 10, stream.take, _collate, MASK, ThresholdConstruction(2, 0.9), G().manual_seed(0),
+                          carry_dim=3)
     pool.advance(torch.arange(2), torch.rand(2, 10, generator=G().manual_seed(1)))
-    other = TrajectoryPool(2, 10, _Stream().take, _collate, MASK, ThresholdConstruction(2, 0.9), G().manual_seed(5), carry_dim=3)
+    other = TrajectoryPool(2, 10, _Stream().take, _collate, MASK, ThresholdConstruction(2, 0.9), G().manual_seed(5),
+                           carry_dim=3)
     other.load_state_dict(pool.state_dict())
     for k in ("target", "canvas", "revealed", "steps", "carry"):
         assert torch.equal(getattr(other, k), getattr(pool, k))
     with pytest.raises(ValueError, match="shape"):
-        TrajectoryPool(3, 10, _Stream().take, _collate, MASK, ThresholdConstruction(2, 0.9), G(), carry_dim=3).load_state_dict(pool.state_dict())
+        TrajectoryPool(3, 10, _Stream().take, _collate, MASK, ThresholdConstruction(2, 0.9), G(),
+                       carry_dim=3).load_state_dict(pool.state_dict())
 
 
 # ---- the carry --------------------------------------------------------------------------------------------------
@@ -368,7 +374,8 @@ def test_reinforce_leave_one_out_advantages():
 def test_student_forcing_schedule_and_commits():
     assert student_forcing_ratio(500, k=100.0, floor=0.1, warmup=1000) == 1.0
     assert student_forcing_ratio(1000, k=100.0, floor=0.1, warmup=1000) == pytest.approx(100 / 101)
-    assert student_forcing_ratio(1000 + 460, k=100.0, floor=0.1, warmup=1000) == pytest.approx(100 / (100 + 99.484), rel=1e-3)
+    assert (student_forcing_ratio(1000 + 460, k=100.0, floor=0.1, warmup=1000)
+            == pytest.approx(100 / (100 + 99.484), rel=1e-3))
     assert student_forcing_ratio(10**9, k=100.0, floor=0.1, warmup=0) == 0.1
     # eps = floor 0 with no warm-up: committed tokens are the model's argmax, not the ground truth
     obj = _objective(window=1, carry=False, student_forcing_k=1e-3, student_forcing_floor=0.0, student_forcing_warmup=0)

@@ -94,12 +94,13 @@ def test_reward_model_learns_to_rank_tinymath_pairs(tmp_path):
     recipe = load_recipe(None, [
         f"out_dir={tmp_path / 'rm'}", f"data.dir={tmp_path / 'data'}", "data.level=easy", "data.n_train=1500",
         "data.n_validation=4", "data.n_test=200", "data.preference_pairs=true", "model.preset=tiny",
-        "model.vocab_size=400", "model.max_length=96", "train.objective=reward", "train.steps=100", "train.batch_size=16",
-        "train.log_every=10", "optim.lr=1e-3", "optim.warmup_steps=10", "train.seed=0"])
+        "model.vocab_size=400", "model.max_length=96", "train.objective=reward", "train.steps=100",
+        "train.batch_size=16", "train.log_every=10", "optim.lr=1e-3", "optim.warmup_steps=10", "train.seed=0"])
     run = train(recipe, progress=False)
     curve = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     result = json.loads((run / "eval.json").read_text())
-    print(f"loss {curve[0]['loss']:.3f} -> {curve[-1]['loss']:.3f}; held-out pair accuracy {result['eval/accuracy']:.3f}")
+    print(f"loss {curve[0]['loss']:.3f} -> {curve[-1]['loss']:.3f}; "
+          f"held-out pair accuracy {result['eval/accuracy']:.3f}")
     late = sum(r["loss"] for r in curve[-3:]) / 3
     assert late < 0.85 * math.log(2)  # log 2: the loss of a model that cannot tell the pair apart
     assert result["eval/accuracy"] >= 0.7  # chance is 0.5

@@ -10,17 +10,16 @@ from dlm.cli import main
 from dlm.config import load_recipe
 from dlm.training.loop import train
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: latency-bound on 1 thread
 
 
 def recipe(out_dir, data_dir, *extra):
     return load_recipe(None, [
         f"out_dir={out_dir}", f"data.dir={data_dir}", "data.level=easy", "data.n_train=200", "data.n_validation=4",
-        "data.n_test=6", "model.preset=nano", "model.vocab_size=300", "model.max_length=96", "model.attention=bidirectional",
-        "model.label_shift=true", "train.objective=simplex", "train.steps=6", "train.batch_size=8", "train.log_every=1",
-        "train.checkpoint_every=3", "simplex.timesteps=200", "eval.max_new_tokens=12", "eval.inference_steps=3",
-        "eval.batch_size=6", *extra])
+        "data.n_test=6", "model.preset=nano", "model.vocab_size=300", "model.max_length=96",
+        "model.attention=bidirectional", "model.label_shift=true", "train.objective=simplex", "train.steps=6",
+        "train.batch_size=8", "train.log_every=1", "train.checkpoint_every=3", "simplex.timesteps=200",
+        "eval.max_new_tokens=12", "eval.inference_steps=3", "eval.batch_size=6", *extra])
 
 
 def losses(run):
@@ -47,7 +46,8 @@ def test_train_resume_generate_eval(tmp_path, capsys, masking):
     main(["eval", str(run), "--sweep", "steps=2,5", "--max-new-tokens", "10", "--n", "3", "--out", str(out)])
     rows = json.loads(out.read_text())["rows"]
     assert [(r["family"], r["inference_steps"], r["mean_nfe"]) for r in rows] == [("simplex", 2, 2), ("simplex", 5, 5)]
-    main(["eval", str(run), "--steps", "3", "--early-stop", "1", "--max-new-tokens", "10", "--n", "3", "--out", str(out)])
+    main(["eval", str(run), "--steps", "3", "--early-stop", "1", "--max-new-tokens", "10", "--n", "3",
+          "--out", str(out)])
     row = json.loads(out.read_text())["rows"][0]
     assert row["early_stop_patience"] == 1 and row["mean_nfe"] <= 3
 
@@ -79,7 +79,8 @@ def test_adapt_then_sft_recipes_from_a_plain_hf_checkpoint(tmp_path, tiny_tokeni
     timestep = model.backbone.dlm_timestep_embedding.weight
     assert timestep.abs().sum() > 0  # trained away from its zero start
 
-    sft_recipe = load_recipe(recipes / "tess2-sft.yaml", small + [f"model.init_from={adapt}", f"out_dir={tmp_path / 'sft'}"])
+    sft_recipe = load_recipe(recipes / "tess2-sft.yaml",
+                             small + [f"model.init_from={adapt}", f"out_dir={tmp_path / 'sft'}"])
     assert sft_recipe.simplex.masking == "prefix_lm"
     start = build_model(sft_recipe, tok)
     assert torch.equal(start.backbone.dlm_timestep_embedding.weight, timestep)

@@ -35,7 +35,8 @@ def test_sweep_over_masked_and_ar_models(tmp_path, tiny_tokenizer):
     result = run_sweep(paths, data, MaskedOptions(policy="top_u", confidence_threshold=0.9), sweep="u=1,4",
                        max_new_tokens=8, progress=False)
     rows = result["rows"]
-    assert [(r["family"], r.get("reveal_count")) for r in rows] == [("masked", 1), ("masked", 4), ("autoregressive", None)]
+    assert [(r["family"], r.get("reveal_count")) for r in rows] == [("masked", 1), ("masked", 4),
+                                                                    ("autoregressive", None)]
     assert rows[0]["mean_nfe"] == 8 and rows[1]["mean_nfe"] == 2  # an untrained model never stops early here
     assert all(0 <= r["accuracy"] <= 1 and r["n"] == 6 for r in rows)
     table, png = write_sweep(result, tmp_path / "sweep.json")

@@ -144,7 +144,7 @@ def test_splits_disjoint_and_test_independent_of_n_train():
     for splits in (small, big):
         prompts = {k: [r["prompt"] for r in v] for k, v in splits.items()}
         assert [len(prompts[k]) for k in ("train", "validation", "test")] == [len(splits["train"]), 20, 20]
-        for k, ps in prompts.items():
+        for _k, ps in prompts.items():
             assert len(set(ps)) == len(ps)
         assert not set(prompts["train"]) & set(prompts["validation"])
         assert not set(prompts["train"]) & set(prompts["test"])

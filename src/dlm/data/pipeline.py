@@ -26,10 +26,12 @@ def load_splits(cfg: DataConfig, default_dir: Path) -> dict[str, list[dict]]:
         from dlm.data.tinymath import write_tinymath
 
         directory = Path(cfg.dir) if cfg.dir else default_dir
-        wanted = {"level": cfg.level, "seed": cfg.seed, "n_train": cfg.n_train, "n_val": cfg.n_validation, "n_test": cfg.n_test}
+        wanted = {"level": cfg.level, "seed": cfg.seed, "n_train": cfg.n_train, "n_val": cfg.n_validation,
+                  "n_test": cfg.n_test}
         meta = directory / "request.json"
         if not (meta.is_file() and json.loads(meta.read_text()) == wanted and (directory / "test.jsonl").is_file()):
-            write_tinymath(directory, n_train=cfg.n_train, n_val=cfg.n_validation, n_test=cfg.n_test, level=cfg.level, seed=cfg.seed)
+            write_tinymath(directory, n_train=cfg.n_train, n_val=cfg.n_validation, n_test=cfg.n_test, level=cfg.level,
+                           seed=cfg.seed)
             meta.write_text(json.dumps(wanted))
         paths = {s: str(directory / f"{s}.jsonl") for s in SPLITS}
     elif cfg.source == "text":
@@ -53,7 +55,8 @@ def build_tokenizer(cfg: ModelConfig, train_records: Sequence[dict], cache_dir: 
     return load_tokenizer(cfg.tokenizer)
 
 
-def encode_examples(tok, records: Sequence[dict], max_length: int, block_size: int | None = None) -> tuple[list, Callable]:
+def encode_examples(tok, records: Sequence[dict], max_length: int,
+                    block_size: int | None = None) -> tuple[list, Callable]:
     """Training examples and the collate function that batches them: prompt/response canvases (responses rounded up
     to whole blocks with `block_size`), or packed rows of `max_length` tokens for plain text (pretraining-style
     objectives)."""
@@ -75,7 +78,8 @@ class BatchStream:
     """Shuffled epochs over a fixed example list. Each global batch holds `batch_size × world_size` examples and rank
     r takes its slice, so 2 processes × b see exactly what 1 process × 2b sees. `state_dict` makes resume exact."""
 
-    def __init__(self, examples: Sequence, batch_size: int, collate_fn: Callable, seed: int = 0, rank: int = 0, world_size: int = 1):
+    def __init__(self, examples: Sequence, batch_size: int, collate_fn: Callable, seed: int = 0, rank: int = 0,
+                 world_size: int = 1):
         global_batch = batch_size * world_size
         if len(examples) < global_batch:
             raise ValueError(f"{len(examples)} training examples is fewer than one global batch ({global_batch})")

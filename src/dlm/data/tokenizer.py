@@ -26,7 +26,8 @@ CHAT_TEMPLATE = (
 )
 
 
-def train_bpe_tokenizer(texts: Sequence[str], vocab_size: int = 1024, cache_dir: str | Path | None = None) -> PreTrainedTokenizerFast:
+def train_bpe_tokenizer(texts: Sequence[str], vocab_size: int = 1024,
+                        cache_dir: str | Path | None = None) -> PreTrainedTokenizerFast:
     """Train (or load from cache) a byte-level BPE on `texts`; deterministic for the same texts and size."""
     key = hashlib.sha256(("\x00".join(texts) + f"|{vocab_size}").encode()).hexdigest()[:16]
     cached = Path(cache_dir) / f"bpe-{vocab_size}-{key}" if cache_dir else None

@@ -65,7 +65,8 @@ class ThresholdConstruction:
         # blocks of a sample advance in lockstep and each is done after at most ceil(block_size / u) steps.
         self.block_size = block_size
 
-    def start(self, maskable: torch.Tensor, generator: torch.Generator, spread: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def start(self, maskable: torch.Tensor, generator: torch.Generator,
+              spread: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(revealed [n, L], stage [n]): fully masked; with random initial masking (PU+, App. F.6.1) a uniformly
         random fraction of each row's maskable positions is revealed at random positions."""
         if not self.random_start:
@@ -96,7 +97,8 @@ class StageConstruction:
             raise ValueError(f"need at least 2 stages, got {stages}")
         self.K, self.tau = stages, threshold
 
-    def start(self, maskable: torch.Tensor, generator: torch.Generator, spread: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def start(self, maskable: torch.Tensor, generator: torch.Generator,
+              spread: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """A fresh trajectory is at stage 0 with r ~ U[0, 1/K) of its positions revealed at random. With `spread`
         (pool initialisation and every change of K) row j starts at stage floor(j·K/n), r ~ U[p/K, (p+1)/K)."""
         n = maskable.shape[0]

@@ -53,7 +53,8 @@ def top_p_sample(logits: torch.Tensor, top_p: float, generator: torch.Generator 
     return order.gather(-1, pick).squeeze(-1)
 
 
-def project_top_p(logits: torch.Tensor, k: float, top_p: float, generator: torch.Generator | None = None) -> torch.Tensor:
+def project_top_p(logits: torch.Tensor, k: float, top_p: float,
+                  generator: torch.Generator | None = None) -> torch.Tensor:
     """Ŝ: the k-logit simplex of a top-p sample from softmax(logits) (the TESS public configs' projection, p = 0.99)."""
     return to_simplex(top_p_sample(logits, top_p, generator), logits.shape[-1], k)
 

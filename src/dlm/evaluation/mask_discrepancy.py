@@ -44,7 +44,8 @@ def mmd2(train_masks: torch.Tensor, inf_mask: torch.Tensor, sigma: float) -> flo
     return float(within + 1.0 - 2.0 * cross)
 
 
-def inference_masks(model, prompt: Sequence[int], N: int, mask_id: int, pad_id: int, u: int) -> dict[float, torch.Tensor]:
+def inference_masks(model, prompt: Sequence[int], N: int, mask_id: int, pad_id: int,
+                    u: int) -> dict[float, torch.Tensor]:
     """m_inf(t) for t on the grid: the mask after the first step with masked fraction ≤ t (greedy top-u; EOS never
     stops it, so all N positions are decoded; a carry model passes its carry as at evaluation)."""
     out = masked_generate(model, [list(prompt)], N, eos_id=-1, pad_id=pad_id, mask_id=mask_id, policy="top_u",
@@ -81,7 +82,8 @@ def response_positions(model, response: Sequence[int]) -> int:
 
 @torch.no_grad()
 def pu_masks(model, prompt: Sequence[int], response: Sequence[int], eos_id: int, mask_id: int, construction,
-             n: int, generator: torch.Generator, pools: int = 5, pool_size: int = 32, steps: int = 64) -> dict[float, list]:
+             n: int, generator: torch.Generator, pools: int = 5, pool_size: int = 32,
+             steps: int = 64) -> dict[float, list]:
     """Masks produced by the progressive-unmasking construction on x_0, binned to the grid (±0.05), ≤ n per ratio.
     Each pool is `pool_size` copies of the sample started as in training (spread stages for PUMA) and advanced with
     the model's confidences from the pass training runs (the block-causal vectorised pass for a block-causal model),
@@ -116,7 +118,8 @@ def pu_masks(model, prompt: Sequence[int], response: Sequence[int], eos_id: int,
             masked = maskable & ~revealed
             logits, carry = forward(torch.where(masked, mask_id, target), carry)
             conf, _, _ = policies.confidences(logits, mask_id)
-            reveal, retire, stage = construction.step(conf, masked, maskable, revealed, stage, batch["loss_mask"], generator)
+            reveal, retire, stage = construction.step(conf, masked, maskable, revealed, stage, batch["loss_mask"],
+                                                      generator)
             revealed = revealed | (reveal & masked)
             if retire.any():  # restart at a random stage (a random row of a spread start)
                 fresh, fresh_stage = construction.start(maskable[retire], generator, spread=True)
@@ -143,7 +146,8 @@ def mask_discrepancy(model, tok, records: Sequence[dict], training: str, constru
         N = response_positions(model, response)
         inf = inference_masks(model, prompt, N, tok.mask_token_id, tok.pad_token_id, u)
         if training == "pu":
-            bins = pu_masks(model, prompt, response, tok.eos_token_id, tok.mask_token_id, construction, n_train, generator)
+            bins = pu_masks(model, prompt, response, tok.eos_token_id, tok.mask_token_id, construction, n_train,
+                            generator)
         for t in GRID:
             if t not in inf:
                 continue

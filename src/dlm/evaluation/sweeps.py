@@ -59,9 +59,10 @@ def run_sweep(models: Sequence[str | Path], data: str | Path, options=None, *, s
                    **{k: r[k] for k in ("accuracy", "n", "mean_nfe", "tokens_per_nfe", "wall_s", "ms_per_problem")}}
             rows.append(row)
             if progress:
-                setting = ", ".join(f"{k}={v}" for k, v in opts.model_dump().items() if v is not None) or "greedy, KV cache"
-                print(f"{Path(path).name} [{setting}]: accuracy {100 * r['accuracy']:.1f}% | mean NFE {r['mean_nfe']:.1f} "
-                      f"| {r['ms_per_problem']:.1f} ms/problem")
+                setting = (", ".join(f"{k}={v}" for k, v in opts.model_dump().items() if v is not None)
+                           or "greedy, KV cache")
+                print(f"{Path(path).name} [{setting}]: accuracy {100 * r['accuracy']:.1f}% | "
+                      f"mean NFE {r['mean_nfe']:.1f} | {r['ms_per_problem']:.1f} ms/problem")
     return {"data": str(data), "n": len(records), "trivial_baseline": trivial_baseline(records), "sweep": sweep,
             "dtype": dtype_name(dtype), "rows": rows}
 
@@ -85,7 +86,8 @@ def plot_sweep(result: dict, out: str | Path, title: str | None = None) -> Path:
                 ax.annotate(f"{key}={r[name]}", (r["mean_nfe"], 100 * r["accuracy"]), fontsize=7,
                             xytext=(3, 3), textcoords="offset points")
     ax.axhline(100 * result["trivial_baseline"], color="grey", ls=":", lw=1, label="trivial baseline")
-    ax.set(xlabel="mean NFE per problem", ylabel="accuracy (%)", ylim=(0, 100), title=title or f"{result['n']} problems")
+    ax.set(xlabel="mean NFE per problem", ylabel="accuracy (%)", ylim=(0, 100),
+           title=title or f"{result['n']} problems")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -130,7 +130,8 @@ class VectorisedLayout:
         self.pred_at = torch.zeros(B, W, dtype=torch.long)
         for i, (s, n, b, na, pa) in enumerate(rows):
             t = len(s)
-            src[i, :t], noised[i, :t], block[i, :t], valid[i, :t] = torch.tensor(s), torch.tensor(n), torch.tensor(b), True
+            src[i, :t], noised[i, :t], block[i, :t], valid[i, :t] = (
+                torch.tensor(s), torch.tensor(n), torch.tensor(b), True)
             self.noised_at[i, : len(na)], self.pred_at[i, : len(pa)] = torch.tensor(na), torch.tensor(pa)
         self.src, self.noised, self.block, self.valid = (x.to(device) for x in (src, noised, block, valid))
         self.noised_at, self.pred_at = self.noised_at.to(device), self.pred_at.to(device)
@@ -138,7 +139,8 @@ class VectorisedLayout:
         self.mask = block_causal_mask(self.block, self.noised, k_valid=self.valid, dtype=dtype)
 
     def inputs(self, canvas: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """Raw input ids: the noised copies from `canvas` (masks and committed tokens), everything else from `target`."""
+        """Raw input ids: the noised copies from `canvas` (masks and committed tokens), everything else from
+        `target`."""
         return torch.where(self.noised, canvas.gather(1, self.src), target.gather(1, self.src))
 
     def raw_carry(self, carry: torch.Tensor) -> torch.Tensor:

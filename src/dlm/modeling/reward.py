@@ -1,8 +1,9 @@
 """Reward models (TESS 2 App. C): a causal decoder whose LM head is replaced by a scalar regression head read at the
 last token of the response, trained with the Bradley–Terry loss −log σ(R(x, y_c) − R(x, y_r)).
 
-The head is a child of the HF backbone (`dlm_reward_head`, attached by `dlm.modeling.build` for the reward family), so it is saved, resumed and EMA-averaged with the other
-weights. Scores are taken from token ids or from soft input embeddings (reward guidance, §3.4)."""
+The head is a child of the HF backbone (`dlm_reward_head`, attached by `dlm.modeling.build` for the reward family),
+so it is saved, resumed and EMA-averaged with the other weights. Scores are taken from token ids or from soft input
+embeddings (reward guidance, §3.4)."""
 
 from __future__ import annotations
 

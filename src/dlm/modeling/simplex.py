@@ -4,7 +4,8 @@ prediction into the input: p = ½ (softmax(S_t) + softmax(previous logits)), zer
 none (the "logits_mean" mode of TESS; see ../shared/notes-tess2.md).
 
 The timestep embedding is a child of the HF backbone (`dlm_timestep_embedding`, attached by `dlm.modeling.build` for
-the simplex family), so it is saved in the backbone's safetensors, restored on resume and averaged by EMA like every other weight; plain transformers ignores it on load.
+the simplex family), so it is saved in the backbone's safetensors, restored on resume and averaged by EMA like every
+other weight; plain transformers ignores it on load.
 """
 
 from __future__ import annotations

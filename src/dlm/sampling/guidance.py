@@ -25,8 +25,8 @@ def resolve_reward_model(reward_model):
     if key not in _LOADED:
         model = load_model(key)
         if model.spec.family != "reward":
-            raise OptionsError(f"reward_model {key}: not a reward model (dlm.json family {model.spec.family!r}; train one with "
-                           "`dlm train recipes/tinymath/reward.yaml`)")
+            raise OptionsError(f"reward_model {key}: not a reward model (dlm.json family {model.spec.family!r}; "
+                               "train one with `dlm train recipes/tinymath/reward.yaml`)")
         _LOADED[key] = model
     return _LOADED[key]
 
@@ -71,7 +71,8 @@ def reward_of_logits(reward_model, logits: torch.Tensor, context_ids: torch.Tens
 def reward_guidance(logits: torch.Tensor, context_ids: torch.Tensor, reward_model, guidance_scale: float,
                     guidance_steps: int = 1, temperature: float = 1.0, attention_mask=None, position_ids=None,
                     eos_id: int = -1) -> torch.Tensor:
-    """Ŝ after `guidance_steps` ascent steps Ŝ ← Ŝ + η ∇_Ŝ R (TESS 2 Eq. 8); logits [B, G, V] of the generated region."""
+    """Ŝ after `guidance_steps` ascent steps Ŝ ← Ŝ + η ∇_Ŝ R (TESS 2 Eq. 8); logits [B, G, V] of the generated
+    region."""
     s = logits.detach().float()
     with torch.enable_grad():
         for _ in range(guidance_steps):

@@ -90,9 +90,9 @@ class MaskedOptions(SamplingOptions):
     cache: Annotated[Cache, _one_of(Cache)] | None = Field(
         None, description="full-canvas models with a block_size: Fast-dLLM's approximate KV cache, prefix (prompt and "
         "finished blocks) or dual (also the later, masked blocks); unset: none")
-    reset_carry_per_block: Switch = Field(False, description="full-canvas models with a carry and a block_size: restart "
-                                          "the carry from zero at each new block (block-causal models always do, "
-                                          "PUMBA App. B.4.3)")
+    reset_carry_per_block: Switch = Field(False, description="full-canvas models with a carry and a block_size: "
+                                          "restart the carry from zero at each new block (block-causal models always "
+                                          "do, PUMBA App. B.4.3)")
 
     @model_validator(mode="after")
     def _cache_needs_blocks(self):

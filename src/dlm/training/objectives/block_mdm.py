@@ -35,7 +35,8 @@ def sample_block_mask(maskable: torch.Tensor, block_size: int, generator: torch.
 class BlockMDMObjective:
     def __init__(self, mask_token_id: int, block_size: int, seed: int, rank: int = 0, weight_cap: float = 5.0,
                  z_loss: float = 1e-5):
-        self.mask_token_id, self.block_size, self.weight_cap, self.z_loss = mask_token_id, block_size, weight_cap, z_loss
+        self.mask_token_id, self.block_size, self.weight_cap, self.z_loss = (
+            mask_token_id, block_size, weight_cap, z_loss)
         self.generator = torch.Generator().manual_seed(seed * 1_000_003 + rank)  # masking noise, saved for resume
 
     def loss(self, model, batch):

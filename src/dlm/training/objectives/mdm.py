@@ -18,7 +18,8 @@ class MDMObjective:
         masked, t = masked.to(batch["input_ids"].device), t.to(batch["input_ids"].device)
         noised = apply_mask(batch["input_ids"], masked, self.mask_token_id)
         logits = model(noised, attention_mask=batch["attention_mask"])
-        loss_sum, count = mdm_loss(logits, batch["input_ids"], masked, batch["loss_mask"], t, self.weight_cap, self.z_loss)
+        loss_sum, count = mdm_loss(logits, batch["input_ids"], masked, batch["loss_mask"], t, self.weight_cap,
+                                   self.z_loss)
         return loss_sum, count, {"mask_ratio": float(t.mean())}
 
     def state_dict(self) -> dict:

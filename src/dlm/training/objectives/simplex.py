@@ -18,7 +18,8 @@ MASKINGS = ("prefix_lm", "ul2")
 
 
 def generated_positions(batch: dict, masking: str, label_shift: bool, generator: torch.Generator,
-                        ul2_prefix: str = "half", strategy: str | None = None) -> tuple[torch.Tensor, torch.Tensor, str]:
+                        ul2_prefix: str = "half",
+                        strategy: str | None = None) -> tuple[torch.Tensor, torch.Tensor, str]:
     """(generating [B, L], in_loss [B, L], strategy). Padding is never in the loss; with label shift position 0 has no
     prediction and is never generated. `strategy` fixes the UL2 strategy (else drawn from `generator`)."""
     if masking == "prefix_lm":
@@ -58,7 +59,8 @@ class SimplexObjective:
         device, g = ids.device, self.generator
         strategy = None
         if self.masking == "ul2":
-            strategy = self.ul2_strategy or UL2_STRATEGIES[int(torch.randint(len(UL2_STRATEGIES), (1,), generator=self.batch_generator))]
+            strategy = self.ul2_strategy or UL2_STRATEGIES[
+                int(torch.randint(len(UL2_STRATEGIES), (1,), generator=self.batch_generator))]
         self_condition = bool(torch.rand(1, generator=self.batch_generator) < self.p_sc)
         generating, in_loss, strategy = generated_positions(batch, self.masking, self.label_shift, g, self.ul2_prefix,
                                                             strategy)
