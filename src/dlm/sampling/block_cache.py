@@ -24,7 +24,7 @@ import torch
 from transformers import DynamicCache
 
 from dlm.modeling.blocks import block_causal_mask, canvas_blocks
-from dlm.sampling.steps import finished, record_step
+from dlm.sampling.steps import Progress
 
 
 def _select(layers: list[tuple[torch.Tensor, torch.Tensor]], rows: torch.Tensor) -> DynamicCache:
@@ -62,12 +62,11 @@ def decode_block_causal(model, canvas, attention, positions, P, block_size, step
     uses_carry = bool(spec.carry)
     blocks = canvas_blocks(P, L - P, block_size, B, device)
     noised_from = lambda s: torch.arange(L, device=device)[None, :] >= s  # noqa: E731 (the current and later blocks)
-    done = finished(canvas[:, P:], eos_id, mask_id)
-    nfe = torch.zeros(B, dtype=torch.long, device=device)
+    progress = Progress(canvas, P, eos_id, mask_id, trace)
     prefix, members = None, None  # cached clean keys/values per layer, for the rows in `members`
     for s in range(P, L, block_size):
         e = s + block_size
-        active = (~done).nonzero().squeeze(1)
+        active = (~progress.done).nonzero().squeeze(1)
         if len(active) == 0:
             break
         # Fused pass: the clean block before this one (or the prompt) and this block's first step.
@@ -88,16 +87,12 @@ def decode_block_causal(model, canvas, attention, positions, P, block_size, step
         carry = hidden[:, s - c :] if uses_carry else None
         rows, logits = active, _block_logits(raw[:, s - c - first :], boundary, block_size)
         while True:
-            eligible = canvas[rows, s:e] == mask_id
-            reveal, confidence = step(canvas, rows, s, logits, eligible)
-            nfe[rows] += 1
-            done[rows] = finished(canvas[rows, P:], eos_id, mask_id)
-            record_step(trace, canvas, rows, s, reveal, confidence)
+            reveal, confidence = step(canvas, rows, s, logits, canvas[rows, s:e] == mask_id)
+            progress.record(rows, s, reveal, confidence)
             # Later steps: the rows still working on this block, only the block's tokens, against the cache.
-            working = ~done[active] & (canvas[active, s:e] == mask_id).any(-1)
-            if not bool(working.any()):
+            local = progress.working(active, s, e)
+            if local is None:
                 break
-            local = working.nonzero().squeeze(1)
             rows = active[local]
             block_noised = torch.ones(len(rows), block_size, dtype=torch.bool, device=device)
             mask = block_causal_mask(blocks[rows, s:e], block_noised, blocks[rows, :e],
@@ -109,7 +104,7 @@ def decode_block_causal(model, canvas, attention, positions, P, block_size, step
             if uses_carry:
                 carry[local] = hidden
             logits = _block_logits(raw, boundary[local] if boundary is not None else None, block_size)
-    return nfe
+    return progress.nfe
 
 
 def _forward(model, ids, inputs, carry, in_block):
@@ -124,13 +119,12 @@ def decode_fast_dllm(model, canvas, attention, positions, P, block_size, step, e
     """Denoise canvas[:, P:] of a full-canvas model in place with Fast-dLLM's prefix or dual cache (Wu et al. 2026b,
     §3.2), refreshed at every block start; returns the NFE per row. An approximation of `masked.decode`."""
     B, L = canvas.shape
-    device, label_shift = canvas.device, model.spec.label_shift
+    label_shift = model.spec.label_shift
     dtype = next(model.parameters()).dtype
-    done = finished(canvas[:, P:], eos_id, mask_id)
-    nfe = torch.zeros(B, dtype=torch.long, device=device)
+    progress = Progress(canvas, P, eos_id, mask_id, trace)
     for s in range(P, L, block_size):
         e = min(s + block_size, L)
-        active = (~done).nonzero().squeeze(1)
+        active = (~progress.done).nonzero().squeeze(1)
         if len(active) == 0:
             break
         # Refresh: the whole canvas, which is also this block's first step.
@@ -146,16 +140,13 @@ def decode_fast_dllm(model, canvas, attention, positions, P, block_size, step, e
         rows, logits = active, _block_logits(raw[:, s:], boundary, e - s)
         while True:
             reveal, confidence = step(canvas, rows, s, logits, canvas[rows, s:e] == mask_id)
-            nfe[rows] += 1
-            done[rows] = finished(canvas[rows, P:], eos_id, mask_id)
-            record_step(trace, canvas, rows, s, reveal, confidence)
-            working = ~done[active] & (canvas[active, s:e] == mask_id).any(-1)
-            if not bool(working.any()):
+            progress.record(rows, s, reveal, confidence)
+            local = progress.working(active, s, e)
+            if local is None:
                 break
-            local = working.nonzero().squeeze(1)
             rows = active[local]
             k_valid = torch.cat([kept_valid[rows], attention[rows, s:end]], 1)
             raw = model(canvas[rows, s:end], attention_mask=_padding_mask(k_valid, end - s, dtype),
                         position_ids=positions[rows, s:end], cache=_select(kept, local), use_cache=True, align=False)
             logits = _block_logits(raw, boundary[local] if boundary is not None else None, e - s)
-    return nfe
+    return progress.nfe

@@ -22,7 +22,7 @@ import torch
 from dlm.data.canvas import left_pad
 from dlm.modeling.blocks import block_causal_mask, canvas_blocks, num_blocks
 from dlm.sampling import block_cache
-from dlm.sampling.steps import finished, first_index, make_rule, record_step, reveal_step
+from dlm.sampling.steps import Progress, first_index, make_rule, reveal_step
 
 
 @dataclass
@@ -110,8 +110,8 @@ def decode(model, canvas, attention, positions, P, block_size, step, eos_id, mas
     gen_length = L - P
     block_of = torch.arange(gen_length, device=canvas.device) // (block_size or max(gen_length, 1))
     blocks = canvas_blocks(P, gen_length, block_size, B, canvas.device) if block_causal else None
-    done = finished(canvas[:, P:], eos_id, mask_id)
-    nfe = torch.zeros(B, dtype=torch.long, device=canvas.device)
+    progress = Progress(canvas, P, eos_id, mask_id, trace)
+    done = progress.done
     uses_carry = bool(getattr(getattr(model, "spec", None), "carry", False))
     carry = torch.zeros(B, L, model.config.hidden_size, device=canvas.device) if uses_carry else None
     last_block = torch.zeros(B, dtype=torch.long, device=canvas.device)
@@ -140,7 +140,5 @@ def decode(model, canvas, attention, positions, P, block_size, step, eos_id, mas
             logits = model(canvas[sub], **inputs)
         eligible = masked & (block_of[None, :] == current[:, None])
         reveal, confidence = step(canvas, sub, P, logits[:, P:], eligible)
-        nfe[sub] += 1
-        done[sub] = finished(canvas[sub, P:], eos_id, mask_id)
-        record_step(trace, canvas, sub, P, reveal, confidence)
-    return nfe
+        progress.record(sub, P, reveal, confidence)
+    return progress.nfe

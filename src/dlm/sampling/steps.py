@@ -68,3 +68,25 @@ def record_step(trace: list[dict] | None, canvas: torch.Tensor, rows, start: int
     full_reveal[rows, start : start + W] = reveal
     full_conf[rows, start : start + W] = torch.where(reveal, confidence, 0.0)
     trace.append({"canvas": canvas.cpu().clone(), "revealed": full_reveal.cpu(), "confidence": full_conf.cpu()})
+
+
+class Progress:
+    """Which rows of a canvas [prompt (P positions) | generated] are finished, and how many forward passes each took
+    part in while unfinished (NFE): the bookkeeping every masked decoder does after a step."""
+
+    def __init__(self, canvas: torch.Tensor, P: int, eos_id: int, mask_id: int, trace: list[dict] | None):
+        self.canvas, self.P, self.eos_id, self.mask_id, self.trace = canvas, P, eos_id, mask_id, trace
+        self.done = finished(canvas[:, P:], eos_id, mask_id)
+        self.nfe = torch.zeros(canvas.shape[0], dtype=torch.long, device=canvas.device)
+
+    def record(self, rows, start: int, reveal: torch.Tensor, confidence: torch.Tensor) -> None:
+        """After a step of `rows` on canvas[rows, start:]: count the pass, mark the rows now finished, trace it."""
+        self.nfe[rows] += 1
+        self.done[rows] = finished(self.canvas[rows, self.P :], self.eos_id, self.mask_id)
+        record_step(self.trace, self.canvas, rows, start, reveal, confidence)
+
+    def working(self, active: torch.Tensor, start: int, end: int) -> torch.Tensor | None:
+        """Indices into `active` of its rows that are unfinished and still have a mask in canvas[:, start:end] (the
+        rows that take another step on that block), or None when there are none."""
+        working = ~self.done[active] & (self.canvas[active, start:end] == self.mask_id).any(-1)
+        return working.nonzero().squeeze(1) if bool(working.any()) else None
