@@ -9,6 +9,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from dlm.errors import DlmError
 from dlm.modeling.spec import ModelSpec
 from dlm.sampling.options import SamplingSettings
 
@@ -82,6 +83,9 @@ class TrainConfig(_Strict):
     checkpoint_every: int | None = Field(None, gt=0)
     keep_checkpoints: int = Field(2, gt=0)
     max_minutes: float | None = Field(None, gt=0, description="stop (and save) after this wall time")
+    max_nonfinite_updates: int = Field(5, gt=0, description="an update whose loss or gradient is NaN/inf is skipped "
+                                       "(and counted); after this many in a row the run stops, keeping its last "
+                                       "checkpoint")
 
 
 class MaskedConfig(_Strict):
@@ -218,8 +222,8 @@ class Recipe(_Strict):
         return self
 
 
-class RecipeError(ValueError):
-    pass
+class RecipeError(DlmError, ValueError):
+    """A recipe that cannot be read or does not validate; the message names the file, line or field."""
 
 
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
@@ -239,29 +243,45 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
 
 
 def load_recipe(path: str | Path | None = None, overrides: list[str] | None = None) -> Recipe:
-    """Read, override and validate a recipe; errors name the file and the offending field."""
+    """Read, override and validate a recipe; errors name the file and the offending line or field. `path=None`
+    starts from the defaults; a recipe file must say something (an empty one is refused, not run on defaults)."""
     raw: dict = {}
     where = "<defaults>"
     if path is not None:
         where = str(path)
-        try:
-            raw = yaml.safe_load(Path(path).read_text()) or {}
-        except FileNotFoundError:
-            raise RecipeError(f"{path}: recipe not found") from None
-        except yaml.YAMLError as err:
-            raise RecipeError(f"{path}: invalid YAML: {err}") from None
-        if not isinstance(raw, dict):
-            raise RecipeError(f"{path}: a recipe must be a mapping of sections")
+        raw = _read_yaml(Path(path))
     raw = apply_overrides(raw, overrides or [])
     try:
         return Recipe.model_validate(raw)
     except ValidationError as err:
-        lines = []
+        problems = []
         for e in err.errors():
             field = ".".join(str(x) for x in e["loc"]) or "(recipe)"
             msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"]
-            lines.append(f"{where}: {field}: {msg}")
-        raise RecipeError("invalid recipe\n  " + "\n  ".join(lines)) from None
+            problems.append(f"{field}: {msg}")
+        raise RecipeError(f"{where}: " + "; ".join(problems)) from None
+
+
+def _read_yaml(path: Path) -> dict:
+    from dlm.data.sources import read_utf8
+
+    if not path.exists():
+        raise RecipeError(f"{path}: recipe not found")
+    text = read_utf8(path, error=RecipeError)
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        at = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
+        problem = " ".join(str(getattr(err, "problem", None) or err).split())
+        raise RecipeError(f"{path}{at}: invalid YAML ({problem})") from None
+    if raw is None:
+        raise RecipeError(f"{path}: the recipe is empty; give at least the sections that differ from the defaults "
+                          f"(e.g. train.objective), see recipes/")
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{path}: a recipe must be a mapping of sections (model:, data:, train:, ...), "
+                          f"got a {type(raw).__name__}")
+    return raw
 
 
 def dump_recipe(recipe: Recipe) -> str:
