@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dlm.data.sources import read_jsonl
+from dlm.data.sources import DataError, read_jsonl
 from dlm.evaluation.tasks import evaluate, trivial_baseline
+from dlm.modeling.backbone import resolve_model_dir
 from dlm.sampling import dtype_name, load_for_inference, resolve_options
 
 TASKS = ("tinymath",)
@@ -18,8 +19,9 @@ def default_task_file(model_path: str | Path, task: str) -> Path:
         candidate = base / "data" / "test.jsonl"
         if candidate.is_file():
             return candidate
-    raise FileNotFoundError(f"no --data given and no {task} test split found beside {model_path}; "
-                            f"pass --data PATH.jsonl (make one with `dlm data tinymath --out DIR`)")
+    resolve_model_dir(model_path)  # a missing model is said first
+    raise DataError(f"no --data given and no {task} test split found beside {model_path}; "
+                    f"pass --data PATH.jsonl (make one with `dlm data tinymath --out DIR`)")
 
 
 def evaluate_model(model_path: str | Path, task: str = "tinymath", data: str | Path | None = None, n: int | None = None,
