@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import torch
 from tqdm.auto import tqdm
 
-from dlm.data.tokenizer import encode_pair
+from dlm.data.prompts import encode_prompts
 from dlm.evaluation.sandbox import answers_match, run_programs
 from dlm.sampling import generate, resolve_options
 
@@ -31,7 +31,7 @@ def evaluate(model, tok, records: Sequence[dict], options=None, *, batch_size: i
     options = resolve_options(model.spec.family, options)
     model.eval()
     generator = torch.Generator().manual_seed(seed)
-    prompts = [encode_pair(tok, r["prompt"], "")[0] for r in records]
+    prompts = encode_prompts(tok, records, model, max_new_tokens)  # a prompt too long for the model: DataError
     texts, nfes, n_tokens = [], [], 0
     t0 = time.perf_counter()
     batches = range(0, len(records), batch_size)

@@ -68,20 +68,21 @@ def load_for_inference(path, dtype=None):
 
 def generate_text(model_path, prompts: Sequence[str], options=None, *, max_new_tokens: int = 128,
                   temperature: float = 0.0, seed: int = 0, show_steps: bool = False, console=None,
-                  dtype=None) -> list[dict]:
+                  dtype=None, truncate_prompts: bool = False) -> list[dict]:
     """Generate a response for each prompt (rendered with the model's chat template); returns text and NFE. `options`
     as for `generate`, except that options of another family than the model's give its defaults (the CLI's one set of
     flags serves any model). With `show_steps` a masked model's denoising is rendered step by step in the terminal
-    (TESS 2 Fig. 4 style). `dtype` (e.g. "bfloat16") is the precision the model is loaded and run at."""
+    (TESS 2 Fig. 4 style). `dtype` (e.g. "bfloat16") is the precision the model is loaded and run at. A prompt
+    longer than the model's context is refused, or with `truncate_prompts` keeps its end (`dlm.data.prompts`)."""
     import torch
 
-    from dlm.data.tokenizer import encode_pair
+    from dlm.data.prompts import encode_prompts
 
     model, tok = load_for_inference(model_path, dtype=dtype)
     masked = model.spec.family == "masked"
     traced = show_steps and model.spec.family in ("masked", "simplex")
     options = resolve_options(model.spec.family, options, strict=False)
-    ids = [encode_pair(tok, p, "")[0] for p in prompts]
+    ids = encode_prompts(tok, prompts, model, max_new_tokens, truncate=truncate_prompts)
     out = generate(model, ids, options, max_new_tokens=max_new_tokens, eos_id=tok.eos_token_id,
                    pad_id=tok.pad_token_id, temperature=temperature, generator=torch.Generator().manual_seed(seed),
                    return_trace=traced)
