@@ -122,13 +122,14 @@ def test_ar_loss_covers_response_and_first_eos_only(tiny_tokenizer):
     assert n == int(count) and loss_sum.item() == pytest.approx(ref, rel=1e-5)
 
 
-def test_bad_recipe_fails_before_work(tmp_path):
+def test_bad_recipe_fails_before_work(tmp_path, capsys):
     from dlm.cli import main
 
     p = tmp_path / "r.yaml"
     p.write_text("train:\n  steps: -1\n")
-    with pytest.raises(SystemExit, match="train.steps"):
+    with pytest.raises(SystemExit) as e:
         main(["train", str(p), "--out-dir", str(tmp_path / "never")])
+    assert e.value.code == 2 and "r.yaml: train.steps" in capsys.readouterr().err
     assert not (tmp_path / "never").exists()
 
 

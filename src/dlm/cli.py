@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from dlm.errors import DlmError
+
 EPILOG = """examples:
   dlm demo                                        train + evaluate a small model on tinymath (~10 min, 2 cores)
   dlm data tinymath --out data/tinymath --level medium
@@ -30,38 +32,30 @@ def _cmd_data(a):
 
 
 def _cmd_train(a):
-    from dlm.config import RecipeError, load_recipe
+    from dlm.config import load_recipe
     from dlm.training.loop import train
 
     overrides = list(a.set or [])
     if a.out_dir:
         overrides.append(f"out_dir={a.out_dir}")
-    try:
-        recipe = load_recipe(a.recipe, overrides)
-    except RecipeError as err:
-        sys.exit(f"dlm train: {err}")
+    recipe = load_recipe(a.recipe, overrides)
     run_dir = train(recipe, resume=a.resume, progress=not a.no_progress)
     print(f"run: {run_dir}  (model: {run_dir / 'model'}, metrics: {run_dir / 'metrics.jsonl'})")
 
 
 def _cmd_generate(a):
+    from dlm.data.sources import read_prompts
     from dlm.sampling import generate_text
 
     try:
         settings = _sampling_settings(a)
     except ValueError as err:
         sys.exit(f"dlm generate: {err}")
-    prompts = list(a.prompt or [])
-    if a.file:
-        with open(a.file) as f:
-            for line in f:
-                line = line.strip()
-                if line:
-                    prompts.append(json.loads(line)["prompt"] if line.startswith("{") else line)
+    prompts = list(a.prompt or []) + (read_prompts(a.file) if a.file else [])
     if not prompts:
         sys.exit("dlm generate: give at least one --prompt or a --file")
-    for r in generate_text(a.model, prompts, settings, max_new_tokens=a.max_new_tokens,
-                           temperature=a.temperature, seed=a.seed, show_steps=a.show_steps, dtype=a.dtype):
+    for r in generate_text(a.model, prompts, settings, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
+                           seed=a.seed, show_steps=a.show_steps, dtype=a.dtype, truncate_prompts=a.truncate_prompts):
         print(f"user: {r['prompt']}\nassistant ({r['nfe']} NFE):\n{r['response']}\n")
 
 
@@ -197,7 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("recipe", help="recipe YAML file")
     tr.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a recipe field, e.g. train.steps=100 (repeatable)")
     tr.add_argument("--out-dir", help="shorthand for --set out_dir=...")
-    tr.add_argument("--resume", action="store_true", help="continue exactly from the newest complete checkpoint in out_dir")
+    tr.add_argument("--resume", action="store_true", help="continue exactly from the newest complete checkpoint in "
+                    "out_dir (with as many processes as wrote it); without a checkpoint, say so and start fresh")
     tr.add_argument("--no-progress", action="store_true", help="no progress bar")
     tr.set_defaults(func=_cmd_train)
 
@@ -206,6 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("model", help="run directory or model directory")
     g.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     g.add_argument("--file", help="prompts, one per line (plain text or jsonl with a 'prompt' field)")
+    g.add_argument("--truncate-prompts", action="store_true",
+                   help="keep the end of a prompt too long for the model's context (default: refuse it)")
     g.add_argument("--max-new-tokens", type=int, default=128, help="AR: token limit; masked: generation canvas length")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--seed", type=int, default=0)
@@ -255,7 +252,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    args.func(args)
+    try:
+        args.func(args)
+    except DlmError as err:  # bad input: one line, no traceback; any other exception is a bug and keeps its traceback
+        message = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
+        print(f"dlm {args.command}: {message}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":
