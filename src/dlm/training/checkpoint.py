@@ -1,5 +1,6 @@
 """Atomic checkpoints: everything is written into a temporary folder beside the target, marked COMPLETE, then
-renamed into place; `latest` is replaced atomically. A crash at any point leaves the previous checkpoint usable."""
+renamed into place; `latest` is replaced atomically. Every byte is written before anything is renamed, so a crash or
+a full disk at any point leaves the previous checkpoint as `latest`."""
 
 from __future__ import annotations
 
@@ -7,6 +8,13 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+
+from dlm.errors import DlmError
+
+
+class CheckpointError(DlmError, OSError):
+    """A checkpoint could not be written (e.g. a full disk); the previous one is still `latest`."""
+
 
 COMPLETE = "COMPLETE"
 LATEST = "latest"
@@ -27,14 +35,19 @@ def begin(root: Path, step: int) -> Path:
 
 
 def commit(root: Path, tmp: Path, step: int, keep: int) -> Path:
-    """Mark `tmp` complete, move it to `step_XXXXXXX`, point `latest` at it and prune older checkpoints."""
-    (tmp / COMPLETE).write_text(str(step))
+    """Mark `tmp` complete, move it to `step_XXXXXXX`, point `latest` at it and prune older checkpoints. The two
+    small files are written first: what can fail for lack of space fails before anything is renamed."""
     final = root / f"step_{step:07d}"
+    pointer = root / f".{LATEST}.tmp"
+    try:
+        (tmp / COMPLETE).write_text(str(step))
+        pointer.write_text(final.name)
+    except OSError:
+        pointer.unlink(missing_ok=True)
+        raise
     if final.exists():
         shutil.rmtree(final)
     os.rename(tmp, final)
-    pointer = root / f".{LATEST}.tmp"
-    pointer.write_text(final.name)
     os.replace(pointer, root / LATEST)
     _fsync_dir(root)
     for old in sorted(p for p in root.glob("step_*") if p.is_dir())[:-keep]:

@@ -1,5 +1,9 @@
 """The one training loop: accelerate, AdamW, warmup + cosine, clipping, accumulation, EMA, jsonl metrics, periodic
-evaluation, atomic checkpoints and exact resume. Objectives plug in through `loss(model, batch)`."""
+evaluation, atomic checkpoints and exact resume. Objectives plug in through `loss(model, batch)`.
+
+Failures stop a run cleanly, never leaving a checkpoint worse than the last good one: an update with a NaN/inf loss or
+gradient is skipped (every rank agrees) and a run of `train.max_nonfinite_updates` of them stops it; a checkpoint
+that cannot be written is removed and stops it; a checkpoint is resumed only by as many processes as wrote it."""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import json
 import math
 import os
 import random
+import shutil
 import time
 from functools import partial
 from pathlib import Path
@@ -19,6 +24,7 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 from dlm.config import Recipe, dump_recipe, model_spec
+from dlm.errors import DlmError
 from dlm.data.pipeline import BatchStream, build_tokenizer, encode_examples, load_splits
 from dlm.data.tokenizer import ensure_special_tokens, load_tokenizer
 from dlm.modeling.backbone import DiffusionLM, count_parameters, resolve_model_dir
@@ -99,8 +105,9 @@ class Trainer:
             self.objective.attach(self.stream, coll, self.unwrapped.config.hidden_size)
         self.ema = EMA(self.unwrapped, tc.ema_decay) if tc.ema_decay else None
         self.step, self.tokens_seen = 0, 0
-        if resume:
-            self.load_latest()
+        self.skipped_updates, self.skipped_in_a_row = 0, 0  # updates skipped for a NaN/inf loss or gradient
+        if resume and not self.load_latest() and self.acc.is_main_process:
+            print(f"--resume: no complete checkpoint in {self.run_dir / 'checkpoints'}; starting fresh")
 
     @property
     def unwrapped(self) -> DiffusionLM:
@@ -127,23 +134,30 @@ class Trainer:
             count += n.float()
             for k, v in m.items():
                 metrics[k] = metrics.get(k, 0.0) + v / tc.grad_accum
-        # Normalise by the positions in the loss over all micro-batches and ranks (DDP averages, hence × world).
-        total = self.acc.reduce(count.clone(), reduction="sum").clamp(min=1)
-        scale = self.acc.num_processes / total
-        for p in self.model.parameters():
-            if p.grad is not None:
-                p.grad.mul_(scale.to(p.grad.dtype))
+        # One reduction: the positions in the loss over all micro-batches and ranks, and whether any rank saw a
+        # NaN/inf loss or gradient (so that every rank skips the same updates).
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        nonfinite = torch.stack([~torch.isfinite(loss_sum)] + [~torch.isfinite(g).all() for g in grads]).any()
+        total, nonfinite = self.acc.reduce(torch.stack([count, nonfinite.to(count.dtype)]), reduction="sum")
+        total, skip = total.clamp(min=1), bool(nonfinite > 0)
+        scale = self.acc.num_processes / total  # DDP averages over ranks, hence × world
+        for g in grads:
+            g.mul_(scale.to(g.dtype))
         grad_norm = None
-        if self.recipe.optim.grad_clip:
-            grad_norm = float(self.acc.clip_grad_norm_(self.model.parameters(), self.recipe.optim.grad_clip))
-        self.optimizer.step()
-        self.scheduler.step()
+        if not skip:
+            if self.recipe.optim.grad_clip:
+                grad_norm = float(self.acc.clip_grad_norm_(self.model.parameters(), self.recipe.optim.grad_clip))
+            self.optimizer.step()
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if self.ema is not None:
+        if self.ema is not None and not skip:
             self.ema.update(self.unwrapped)
-        self.step += 1
+        self.step += 1  # a skipped update still uses up its step (and its data); the schedule does not advance
+        self.skipped_updates += skip
+        self.skipped_in_a_row = self.skipped_in_a_row + 1 if skip else 0
         loss = float(self.acc.reduce(loss_sum.clone(), reduction="sum") / total)
-        out = {"step": self.step, "loss": loss, "lr": self.scheduler.get_last_lr()[0], **metrics}
+        out = {"step": self.step, "loss": loss, "lr": self.scheduler.get_last_lr()[0], **metrics,
+               "skipped_updates": self.skipped_updates, "skipped_in_a_row": self.skipped_in_a_row}
         if grad_norm is not None:
             out["grad_norm"] = grad_norm
         return out
@@ -169,7 +183,8 @@ class Trainer:
             if tc.eval_every and (self.step % tc.eval_every == 0):
                 record.update(self.evaluate("validation", self.recipe.eval.n))
                 record.pop("samples", None)
-            if main and (self.step % tc.log_every == 0 or self.step == tc.steps or stop or "eval/accuracy" in record):
+            if main and (self.step % tc.log_every == 0 or self.step == tc.steps or stop or "eval/accuracy" in record
+                         or self.skipped_in_a_row):
                 with metrics_path.open("a") as f:
                     f.write(json.dumps(record) + "\n")
                 if writer:
@@ -178,7 +193,12 @@ class Trainer:
                             writer.add_scalar(k, v, self.step)
             bar.update(1)
             bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
-            if tc.checkpoint_every and self.step % tc.checkpoint_every == 0 and self.step < tc.steps and not stop:
+            if self.skipped_in_a_row >= tc.max_nonfinite_updates:
+                bar.close()
+                raise NonFiniteError(self._diverged_message())
+            # No periodic checkpoint in the middle of skipped updates: the weights may be what made them NaN.
+            if (tc.checkpoint_every and self.step % tc.checkpoint_every == 0 and self.step < tc.steps and not stop
+                    and not self.skipped_in_a_row):
                 self.save_checkpoint()
             if stop:
                 break
@@ -226,25 +246,60 @@ class Trainer:
         self.acc.wait_for_everyone()
 
     def save_checkpoint(self) -> Path:
+        """Write the resumable state into a temporary folder and commit it as `latest`. A write that fails (a full
+        disk) on any rank removes the folder and raises `CheckpointError` on every rank: `latest` is unchanged."""
         root = self.run_dir / "checkpoints"
-        tmp = ckpt.begin(root, self.step) if self.acc.is_main_process else None
-        tmp = Path(_broadcast_str(self.acc, str(tmp) if tmp else ""))
-        torch.save(_rng_state(), tmp / f"rng_rank{self.acc.process_index}.pt")
-        torch.save(self.stream.state_dict() | {"objective": self.objective.state_dict()},
-                   tmp / f"data_rank{self.acc.process_index}.pt")
-        self.acc.wait_for_everyone()
-        final = None
-        if self.acc.is_main_process:
-            self.unwrapped.save_pretrained(tmp / "model")
-            self.tok.save_pretrained(tmp / "model")
-            if os.environ.get(FAULT_ENV) == str(self.step):
-                os._exit(17)  # simulated crash mid-write (tests)
-            torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                        "step": self.step, "tokens_seen": self.tokens_seen,
-                        "ema": self.ema.state_dict() if self.ema else None}, tmp / "trainer.pt")
-            final = ckpt.commit(root, tmp, self.step, self.recipe.train.keep_checkpoints)
-        self.acc.wait_for_everyone()
+        main = self.acc.is_main_process
+        error, tmp, final = None, None, None
+        if main:
+            try:
+                tmp = ckpt.begin(root, self.step)
+            except OSError as err:
+                error = err
+        tmp = Path(_broadcast_str(self.acc, str(tmp) if tmp else "")) if not self._failed_anywhere(error) else None
+        if tmp is not None:
+            try:
+                torch.save(_rng_state(), tmp / f"rng_rank{self.acc.process_index}.pt")
+                torch.save(self.stream.state_dict() | {"objective": self.objective.state_dict()},
+                           tmp / f"data_rank{self.acc.process_index}.pt")
+            except OSError as err:
+                error = err
+        if tmp is not None and not self._failed_anywhere(error) and main:  # every rank's files are in place
+            try:
+                self.unwrapped.save_pretrained(tmp / "model")
+                self.tok.save_pretrained(tmp / "model")
+                if os.environ.get(FAULT_ENV) == str(self.step):
+                    os._exit(17)  # simulated crash mid-write (tests)
+                torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                            "step": self.step, "tokens_seen": self.tokens_seen,
+                            "ema": self.ema.state_dict() if self.ema else None,
+                            "world_size": self.acc.num_processes, "skipped_updates": self.skipped_updates,
+                            "skipped_in_a_row": self.skipped_in_a_row}, tmp / "trainer.pt")
+                final = ckpt.commit(root, tmp, self.step, self.recipe.train.keep_checkpoints)
+            except OSError as err:
+                error = err
+        if self._failed_anywhere(error):
+            if main and tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+            previous = ckpt.latest(root)
+            raise ckpt.CheckpointError(
+                f"checkpoint of step {self.step} not written to {root}: "
+                f"{error if error is not None else 'it failed on another process'}; "
+                + (f"{previous} is still the latest" if previous else "there is no earlier checkpoint")
+                + "; free some space and rerun with --resume")
         return final
+
+    def _failed_anywhere(self, error: Exception | None) -> bool:
+        """Whether any rank holds an error (a collective call: every rank must make it)."""
+        flag = torch.tensor(float(error is not None), device=self.acc.device)
+        return bool(self.acc.reduce(flag, reduction="sum") > 0)
+
+    def _diverged_message(self) -> str:
+        previous = ckpt.latest(self.run_dir / "checkpoints")
+        kept = f"the last checkpoint, {previous}, is kept" if previous else "no checkpoint was written"
+        return (f"stopped at step {self.step}: {self.skipped_in_a_row} updates in a row had a NaN/inf loss or "
+                f"gradient and were skipped (train.max_nonfinite_updates: {self.recipe.train.max_nonfinite_updates}); "
+                f"{kept}; check the data or lower optim.lr")
 
     def load_latest(self) -> bool:
         found = ckpt.latest(self.run_dir / "checkpoints")
@@ -252,6 +307,13 @@ class Trainer:
             return False
         from safetensors.torch import load_file
 
+        state = torch.load(found / "trainer.pt", weights_only=False)
+        written_by = state.get("world_size") or len(list(found.glob("data_rank*.pt")))
+        if written_by != self.acc.num_processes:  # each rank's data position and RNG belong to that world size
+            raise ResumeError(
+                f"{found}: written by {written_by} process(es), this run has {self.acc.num_processes}; resume with "
+                f"{written_by} (e.g. accelerate launch --num_processes {written_by} ...), or start a new run from "
+                f"its weights: --set model.init_from={found / 'model'} with another out_dir")
         weights = {}
         for f in sorted((found / "model").glob("*.safetensors")):
             weights.update(load_file(f))
@@ -261,10 +323,11 @@ class Trainer:
             raise RuntimeError(f"{found}: checkpoint does not match the model: {missing}")
         if model.backbone.config.tie_word_embeddings:
             model.backbone.tie_weights()
-        state = torch.load(found / "trainer.pt", weights_only=False)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
+        self.skipped_updates = state.get("skipped_updates", 0)
+        self.skipped_in_a_row = state.get("skipped_in_a_row", 0)
         if self.ema is not None and state["ema"] is not None:
             self.ema.load_state_dict(state["ema"])
         rank = self.acc.process_index
@@ -299,6 +362,14 @@ def train(recipe: Recipe, resume: bool = False, progress: bool = True) -> Path:
 
 
 # ---- helpers --------------------------------------------------------------------------------------------------
+class NonFiniteError(DlmError, RuntimeError):
+    """Too many updates in a row had a NaN/inf loss or gradient; the run stopped at its last good checkpoint."""
+
+
+class ResumeError(DlmError, RuntimeError):
+    """A checkpoint that this run cannot continue exactly (e.g. written by another number of processes)."""
+
+
 class _nullcontext:
     def __init__(self, value=None):
         self.value = value
