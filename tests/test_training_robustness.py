@@ -45,8 +45,9 @@ def weights(trainer):
 @pytest.mark.parametrize("where", ["loss", "grad"])
 def test_nonfinite_update_is_skipped_and_counted(tmp_path, monkeypatch, where):
     poison(monkeypatch, {2, 3}, where)
-    trainer = Trainer(small_recipe(tmp_path / "run", tmp_path / "data", "train.steps=5", "train.log_every=5",
-                                   "train.checkpoint_every=100", "train.ema_decay=0.5", "data.n_test=2"), progress=False)
+    recipe = small_recipe(tmp_path / "run", tmp_path / "data", "train.steps=5", "train.log_every=5",
+                          "train.checkpoint_every=100", "train.ema_decay=0.5", "data.n_test=2")
+    trainer = Trainer(recipe, progress=False)
     steps = []
     real_step = trainer.train_step
 
