@@ -127,47 +127,60 @@ def test_bad_recipe_files(tmp_path, capsys, text, message):
 
 
 # ---- prompts longer than the model's context --------------------------------------------------------------------
-def test_a_5mb_prompt_line_is_refused_at_once_naming_its_line(tmp_path, capsys, ar_model, monkeypatch):
+def test_a_5mb_prompt_line_is_refused_by_generate_and_cut_by_eval_at_once(tmp_path, capsys, ar_model, monkeypatch):
     import dlm.data.prompts as prompts_module
 
     tokenized = []
     real = prompts_module.encode_pair
     monkeypatch.setattr(prompts_module, "encode_pair", lambda tok, p, r: tokenized.append(len(p)) or real(tok, p, r))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(f"Ann has 2 cats.\n{LONG_LINE}\n")
+    t0 = time.perf_counter()
+    line = one_line_error(capsys, "generate", ar_model, "--file", prompts, "--max-new-tokens", "8")
+    assert line.startswith(f"dlm generate: {prompts}:2: prompt is over ") and line.endswith(
+        f" tokens (its last 2,080 of {len(LONG_LINE.strip()):,} characters alone), more than the model's context of "
+        "128 (max_position_embeddings); shorten it, or keep its last 120 tokens (128 minus 8 to generate) with "
+        "--truncate-prompts")
+
+    # evaluation keeps the end of the prompt, as training canvases do, and says so
     data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "Ann has 2 cats.", "response": "x", "answer": 2},
                                                {"prompt": LONG_LINE, "response": "x", "answer": 1}])
-    t0 = time.perf_counter()
-    line = one_line_error(capsys, "eval", ar_model, "--data", data, "--max-new-tokens", "8")
-    assert time.perf_counter() - t0 < 60  # it used to run for hours without output
-    assert line.startswith(f"dlm eval: {data}:2: prompt is over ") and line.endswith(
-        f"tokens (its first 2,080 of {len(LONG_LINE):,} characters alone), more than the model's context of 128 "
-        "(max_position_embeddings); shorten it, or keep its last 120 tokens (128 minus 8 to generate) with "
-        "`dlm generate --truncate-prompts`")
+    main(["eval", str(ar_model), "--data", str(data), "--max-new-tokens", "8"])
+    captured = capsys.readouterr()
+    assert "trivial baseline" in captured.out
+    assert (f"dlm: 1 of 2 prompts were longer than the model's context of 128 and kept their last 120 tokens (128 "
+            f"minus 8 to generate); the first: {data}:2, over ") in captured.err
+    assert time.perf_counter() - t0 < 60  # it ran for hours without output, or asked for 17 TB
     assert max(tokenized) < 10_000  # the 5 MB line itself was never tokenized
 
 
-def test_generate_refuses_or_truncates_a_long_prompt(tmp_path, capsys, ar_model, tiny_tokenizer):
+def test_generate_refuses_or_truncates_a_long_prompt(tmp_path, capsys, ar_model):
     from dlm.data.prompts import encode_prompts
     from dlm.data.tokenizer import encode_pair
+    from dlm.errors import OptionsError
     from dlm.sampling import load_for_inference
 
+    model, tok = load_for_inference(ar_model)
     prompt = "Mia has 3 apples. " * 40
-    n = len(encode_pair(tiny_tokenizer, prompt, "")[0])
+    n = len(encode_pair(tok, prompt, "")[0])
     assert 128 < n < 16 * 130  # longer than the context, tokenized whole
     assert one_line_error(capsys, "generate", ar_model, "--prompt", "hi", "--prompt", prompt, "--max-new-tokens",
                           "8") == (f"dlm generate: prompt 2: prompt is {n} tokens, more than the model's context of "
                                    f"128 (max_position_embeddings); shorten it, or keep its last 120 tokens (128 minus "
-                                   f"8 to generate) with `dlm generate --truncate-prompts`")
+                                   f"8 to generate) with --truncate-prompts")
     main(["generate", str(ar_model), "--prompt", prompt, "--max-new-tokens", "8", "--truncate-prompts"])
-    assert "(8 NFE)" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "(8 NFE)" in captured.out and f"the first: prompt 1, {n} tokens" in captured.err
 
-    model, tok = load_for_inference(ar_model)
     for text in (prompt, prompt * 7500):  # whole, and from a slice of a 5 MB prompt: the same last 120 tokens
         (ids,) = encode_prompts(tok, [text], model, 8, truncate=True)
         assert ids == encode_pair(tok, prompt, "")[0][-120:]
-    short = encode_prompts(tok, ["Ann has 2 cats."], model, 8)
-    assert short == [encode_pair(tok, "Ann has 2 cats.", "")[0]]
-    with pytest.raises(ValueError, match="max_new_tokens 128 fills the model's whole context"):
-        encode_prompts(tok, ["hi"], model, 128, truncate=True)
+    fits = prompt[: max(i for i in range(len(prompt)) if len(encode_pair(tok, prompt[:i], "")[0]) <= 128)]
+    assert len(encode_pair(tok, fits, "")[0]) > 120  # fits the context, not with the generation: left as it is
+    for truncate in (False, True):
+        assert encode_prompts(tok, [fits], model, 8, truncate=truncate) == [encode_pair(tok, fits, "")[0]]
+    with pytest.raises(OptionsError, match="max_new_tokens 128 fills the model's whole context"):
+        encode_prompts(tok, [prompt], model, 128, truncate=True)
 
 
 # ---- no traceback, and bugs keep theirs -------------------------------------------------------------------------

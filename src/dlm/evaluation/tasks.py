@@ -31,7 +31,7 @@ def evaluate(model, tok, records: Sequence[dict], options=None, *, batch_size: i
     options = resolve_options(model.spec.family, options)
     model.eval()
     generator = torch.Generator().manual_seed(seed)
-    prompts = encode_prompts(tok, records, model, max_new_tokens)  # a prompt too long for the model: DataError
+    prompts = encode_prompts(tok, records, model, max_new_tokens, truncate=True)  # longer than the context: its end
     texts, nfes, n_tokens = [], [], 0
     t0 = time.perf_counter()
     batches = range(0, len(records), batch_size)
