@@ -54,7 +54,8 @@ RESUME_CASES = {
     "pu": ("train.objective=pu", "model.attention=bidirectional", "progressive.carry=true", "progressive.window=2",
            "progressive.carry_drop_prob=0.5"),
     # block diffusion: vectorised block MDM, and block PUMBA (blocks of 16, u=4, carry, W=2) mid-trajectory
-    "block-mdm": ("train.objective=mdm", "model.attention=block_causal", "model.block_size=16", "model.label_shift=true"),
+    "block-mdm": ("train.objective=mdm", "model.attention=block_causal", "model.block_size=16",
+                  "model.label_shift=true"),
     "block-pu": ("train.objective=pu", "model.attention=block_causal", "model.block_size=16", "model.label_shift=true",
                  "progressive.reveal_count=4", "progressive.threshold=null", "progressive.carry=true",
                  "progressive.window=2"),
@@ -91,7 +92,8 @@ def test_resume_after_crash_during_checkpoint_equals_uninterrupted(tmp_path, obj
 def test_ema_and_final_model(tmp_path):
     from dlm.modeling.build import load_model
 
-    run = train(small_recipe(tmp_path / "ema", tmp_path / "data", "train.ema_decay=0.5", "train.steps=4"), progress=False)
+    run = train(small_recipe(tmp_path / "ema", tmp_path / "data", "train.ema_decay=0.5", "train.steps=4"),
+                progress=False)
     final = load_model(run / "model")
     trainer_state = torch.load(ckpt.latest(run / "checkpoints") / "trainer.pt", weights_only=False)
     shadow = trainer_state["ema"]["shadow"]
@@ -103,9 +105,9 @@ def test_ema_and_final_model(tmp_path):
 
 
 def test_ar_loss_covers_response_and_first_eos_only(tiny_tokenizer):
-    from tests.conftest import tiny_model
     from dlm.data.canvas import Example, collate
     from dlm.training.objectives.autoregressive import AutoregressiveObjective
+    from tests.conftest import tiny_model
 
     m = tiny_model(len(tiny_tokenizer))
     b = collate([Example([5, 6, 7], [8, 9]), Example([5], [8, 9, 10, 11])], eos_id=1, pad_id=0)
@@ -138,8 +140,8 @@ def test_gradient_accumulation_matches_full_batch(tmp_path):
     positions in the loss over the whole update, not per micro-batch."""
     common = ["train.steps=5", "train.checkpoint_every=100", "data.n_test=2"]
     full = train(small_recipe(tmp_path / "full", tmp_path / "data", "train.batch_size=8", *common), progress=False)
-    accum = train(small_recipe(tmp_path / "acc", tmp_path / "data", "train.batch_size=4", "train.grad_accum=2", *common),
-                  progress=False)
+    accum = train(small_recipe(tmp_path / "acc", tmp_path / "data", "train.batch_size=4", "train.grad_accum=2",
+                               *common), progress=False)
     assert losses(accum) == pytest.approx(losses(full), rel=1e-5, abs=1e-6)
 
 
@@ -154,7 +156,7 @@ def test_train_from_local_hf_checkpoint_on_jsonl(tmp_path, tiny_tokenizer):
     """The user path: any local HF causal LM + its tokenizer (here one without a mask token), trained on jsonl."""
     from transformers import PreTrainedTokenizerFast
 
-    from dlm.modeling.backbone import DiffusionLM, build_backbone
+    from dlm.modeling.backbone import build_backbone
     from dlm.modeling.build import load_model
 
     bare = PreTrainedTokenizerFast(tokenizer_object=tiny_tokenizer.backend_tokenizer, eos_token="<|eos|>",
@@ -162,10 +164,12 @@ def test_train_from_local_hf_checkpoint_on_jsonl(tmp_path, tiny_tokenizer):
     hf = build_backbone("qwen2", "nano", len(bare) - 1, 128, "causal")  # one row short: resized on load
     hf.save_pretrained(tmp_path / "hf")
     bare.save_pretrained(tmp_path / "hf")
-    rows = [{"prompt": f"Ann has {i} cats. How many?", "response": f"def solution():\n    return {i}"} for i in range(40)]
+    rows = [{"prompt": f"Ann has {i} cats. How many?", "response": f"def solution():\n    return {i}"}
+            for i in range(40)]
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    recipe = load_recipe(None, [f"out_dir={tmp_path / 'run'}", "data.source=jsonl", f"data.train={tmp_path / 'train.jsonl'}",
-                                f"model.init_from={tmp_path / 'hf'}", "model.tokenizer=ignored-when-init-from-has-one",
+    recipe = load_recipe(None, [f"out_dir={tmp_path / 'run'}", "data.source=jsonl",
+                                f"data.train={tmp_path / 'train.jsonl'}", f"model.init_from={tmp_path / 'hf'}",
+                                "model.tokenizer=ignored-when-init-from-has-one",
                                 "train.steps=3", "train.batch_size=4", "train.log_every=1"])
     run = train(recipe, progress=False)
     model = load_model(run / "model")

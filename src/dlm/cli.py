@@ -27,8 +27,8 @@ def _cmd_data(a):
     for name, path in paths.items():
         print(f"{name:>10}: {path}")
     first = json.loads(open(paths["train"]).readline())
-    print(f"\nexample ({a.level}):\n  prompt:   {first['prompt']}\n  response: " + first["response"].replace("\n", "\n            ")
-          + f"\n  answer:   {first['answer']}")
+    response = first["response"].replace("\n", "\n            ")
+    print(f"\nexample ({a.level}):\n  prompt:   {first['prompt']}\n  response: {response}\n  answer:   {first['answer']}")
 
 
 def _cmd_train(a):
@@ -175,8 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("data", help="generate built-in datasets", description="Generate built-in datasets.")
     dsub = d.add_subparsers(dest="dataset", required=True, metavar="DATASET")
     t = dsub.add_parser("tinymath", help="arithmetic word problems answered by a Python function",
-                        description="Write tinymath train/validation/test jsonl ({prompt, response, answer}), a plain-text "
-                        "corpus view and meta.json. Deterministic by seed; splits share no question text.")
+                        description="Write tinymath train/validation/test jsonl ({prompt, response, answer}), a "
+                        "plain-text corpus view and meta.json. Deterministic by seed; splits share no question text.")
     t.add_argument("--out", required=True, help="output directory")
     t.add_argument("--level", default="medium", help="difficulty: easy | medium | hard (default: medium)")
     t.add_argument("--n-train", type=int, default=20000)
@@ -189,7 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Train from a recipe (see recipes/). Runs under `accelerate launch` unchanged for "
                         "several processes/GPUs. Writes checkpoints, metrics.jsonl and the final model to out_dir.")
     tr.add_argument("recipe", help="recipe YAML file")
-    tr.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a recipe field, e.g. train.steps=100 (repeatable)")
+    tr.add_argument("--set", action="append", metavar="KEY=VALUE",
+                    help="override a recipe field, e.g. train.steps=100 (repeatable)")
     tr.add_argument("--out-dir", help="shorthand for --set out_dir=...")
     tr.add_argument("--resume", action="store_true", help="continue exactly from the newest complete checkpoint in "
                     "out_dir (with as many processes as wrote it); without a checkpoint, say so and start fresh")
@@ -215,9 +216,10 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("eval", help="evaluate models on a task (accuracy, NFE, time; sweeps)",
                        description="Generate programs for a task's problems, run them in the sandbox, report accuracy, "
                        "mean NFE (forward passes per problem), tokens per NFE and time per problem. Masked models use "
-                       "the chosen unmasking policy; --sweep runs a grid and, with --out, writes a JSON table and a PNG of "
-                       "accuracy vs NFE with one curve per model.",
-                       epilog="example: dlm eval runs/mdm runs/ar --sampler threshold --sweep tau=0.7,0.8,0.9,1.0 --out sweep.json",
+                       "the chosen unmasking policy; --sweep runs a grid and, with --out, writes a JSON table and a "
+                       "PNG of accuracy vs NFE with one curve per model.",
+                       epilog="example: dlm eval runs/mdm runs/ar --sampler threshold --sweep tau=0.7,0.8,0.9,1.0 "
+                       "--out sweep.json",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     e.add_argument("model", nargs="+", help="run or model directories (several are compared in one table/plot)")
     e.add_argument("--task", default="tinymath", help="task name (default: tinymath)")
@@ -245,7 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "baseline, adapts it into a masked diffusion model, evaluates both on the test split (accuracy, "
                        "NFE, time) and renders the masked model's denoising step by step.")
     m.add_argument("--out", default="runs/demo", help="run directory (default: runs/demo)")
-    m.add_argument("--minutes", type=float, default=8.0, help="training time budget, split over both stages (default: 8)")
+    m.add_argument("--minutes", type=float, default=8.0,
+                   help="training time budget, split over both stages (default: 8)")
     m.set_defaults(func=_cmd_demo)
     return p
 

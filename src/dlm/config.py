@@ -26,7 +26,8 @@ class ModelConfig(_Strict):
     block_size: int | None = Field(None, gt=0, description="block diffusion: tokens per block (block_causal "
                                    "attention; 32 in PUMBA §4.2)")
     label_shift: bool = False
-    tokenizer: str = Field("builtin", description="'builtin' trains a byte-level BPE on the data; else a local HF tokenizer path")
+    tokenizer: str = Field("builtin", description="'builtin' trains a byte-level BPE on the data; else a local HF "
+                           "tokenizer path")
     vocab_size: int = Field(1024, gt=16, description="size of the built-in BPE")
     max_length: int = Field(256, gt=8, description="canvas length: prompt + response + EOS (block diffusion: "
                             "the response rounded up to whole blocks)")
@@ -76,7 +77,8 @@ class TrainConfig(_Strict):
     batch_size: int = Field(32, gt=0, description="sequences per process per micro-batch")
     grad_accum: int = Field(1, gt=0)
     precision: Literal["fp32", "bf16"] = "fp32"
-    ema_decay: float | None = Field(None, ge=0, lt=1, description="EMA of weights; evaluation and the final model use it")
+    ema_decay: float | None = Field(None, ge=0, lt=1,
+                                    description="EMA of weights; evaluation and the final model use it")
     seed: int = 0
     log_every: int = Field(10, gt=0)
     eval_every: int | None = Field(None, gt=0)
@@ -109,7 +111,8 @@ class ProgressiveConfig(_Strict):
     stages_end: int = Field(42, gt=1, description="K at the end of the curriculum")
     stages_increment: int = Field(3, gt=0, description="K rises by this much ...")
     stages_every: int = Field(30000, gt=0, description="... every this many updates ...")
-    stages_from: int = Field(60000, ge=0, description="... from this update on (Table 4: 12→42 by 3 every 30k from 60k)")
+    stages_from: int = Field(60000, ge=0,
+                             description="... from this update on (Table 4: 12→42 by 3 every 30k from 60k)")
     window: int = Field(1, gt=0, description="W: forward passes per optimizer update, gradient through the carry "
                         "inside the window (truncated BPTT, Algorithm 1)")
     carry: bool = Field(False, description="pass the last hidden state to the next step (Eq. 3.1)")
@@ -122,7 +125,8 @@ class ProgressiveConfig(_Strict):
                               "setting, §B.3) instead of attended and maskable but out of the loss (§B.4.1)")
     # Ablations
     bridge: Literal["none", "gumbel", "straight_through", "reinforce"] = Field(
-        "none", description="discrete bridge through the committed tokens instead of a carry (Table 1; use with window 2)")
+        "none",
+        description="discrete bridge through the committed tokens instead of a carry (Table 1; use with window 2)")
     gumbel_temperature: float = Field(1.0, gt=0)
     reinforce_weight: float = Field(1.0, gt=0)
     student_forcing_k: float | None = Field(None, gt=0, description="scheduled sampling (App. C.3): commit the ground "
@@ -164,7 +168,8 @@ class SimplexConfig(_Strict):
     self_condition_prob: float = Field(0.5, ge=0, le=1, description="share of batches with a self-conditioning pass")
     masking: Literal["prefix_lm", "ul2"] = Field("prefix_lm", description="prefix_lm: generate the response (SFT); "
                                                  "ul2: the UL2 mixture over the whole sequence (adaptation)")
-    ul2_prefix: Literal["half", "random"] = Field("half", description="UL2 prefix-LM split: half (App. A.1) or random (§3.2)")
+    ul2_prefix: Literal["half", "random"] = Field("half", description="UL2 prefix-LM split: half (App. A.1) or random "
+                                                  "(§3.2)")
 
 
 class EvalConfig(SamplingSettings):
@@ -289,7 +294,8 @@ def dump_recipe(recipe: Recipe) -> str:
 
 
 # The model family each objective trains.
-FAMILIES = {"autoregressive": "autoregressive", "mdm": "masked", "pu": "masked", "simplex": "simplex", "reward": "reward"}
+FAMILIES = {"autoregressive": "autoregressive", "mdm": "masked", "pu": "masked", "simplex": "simplex",
+            "reward": "reward"}
 
 
 def model_spec(recipe: Recipe, mask_token_id: int | None, eos_token_id: int | None,

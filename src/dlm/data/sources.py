@@ -92,7 +92,8 @@ def load_hf_dataset(name_or_path: str, split: str = "train", required: Sequence[
     return records
 
 
-def load_records(source: str | Path, split: str = "train", required: Sequence[str] = ("prompt", "response")) -> list[dict]:
+def load_records(source: str | Path, split: str = "train",
+                 required: Sequence[str] = ("prompt", "response")) -> list[dict]:
     """Dispatch on the source: `*.jsonl` → jsonl; anything else → HF datasets."""
     if str(source).endswith(".jsonl"):
         return read_jsonl(source, required)
@@ -137,6 +138,7 @@ def _validate(record: object, required: Sequence[str], where: str) -> None:
         raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
     for field in required:
         if field not in record:
-            raise DataError(f"{where}: record is missing field {field!r} (has: {', '.join(map(str, record)) or 'nothing'})")
+            has = ", ".join(map(str, record)) or "nothing"
+            raise DataError(f"{where}: record is missing field {field!r} (has: {has})")
         if not isinstance(record[field], str):
             raise DataError(f"{where}: field {field!r} must be a string, got {type(record[field]).__name__}")

@@ -22,12 +22,12 @@ from dlm.modeling.spec import Attention, ModelSpec
 hf_logging.disable_progress_bar()
 
 # Size presets (tied embeddings). Parameter counts exclude embeddings; measured tokens/s in docs/results.
-PRESETS: dict[str, dict[str, int]] = {
-    "nano": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64),
-    "tiny": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, intermediate_size=384),
-    "small": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8, intermediate_size=768),
-    "base": dict(hidden_size=256, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=8, intermediate_size=768),
-    "medium": dict(hidden_size=512, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=8, intermediate_size=1536),
+PRESETS: dict[str, dict[str, int]] = {  # one row per preset, wider than the line limit on purpose
+    "nano": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64),  # noqa: E501
+    "tiny": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, intermediate_size=384),  # noqa: E501
+    "small": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8, intermediate_size=768),  # noqa: E501
+    "base": dict(hidden_size=256, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=8, intermediate_size=768),  # noqa: E501
+    "medium": dict(hidden_size=512, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=8, intermediate_size=1536),  # noqa: E501
 }
 ARCHITECTURES = ("llama", "mistral", "qwen2")
 
@@ -58,7 +58,8 @@ def build_backbone(
     return AutoModelForCausalLM.from_config(config)
 
 
-def load_backbone(path: str | Path, attention: Attention | None = None, dtype: torch.dtype | None = None) -> PreTrainedModel:
+def load_backbone(path: str | Path, attention: Attention | None = None,
+                  dtype: torch.dtype | None = None) -> PreTrainedModel:
     """Any local HF causal-LM checkpoint; `attention` overrides the checkpoint's own mode."""
     path = Path(path)
     if not (path / "config.json").is_file():
@@ -119,8 +120,8 @@ class DiffusionLM(nn.Module):
                 carry_mask: torch.Tensor | None = None, logits_to_keep: int = 0, **kwargs):
         """Logits [B, L, V]; with `return_hidden`, (logits, last hidden state after the final norm [B, L, d]).
         `carry_mask` [B, L] marks the positions whose carry is passed on (default: the 2-D attention mask; block
-        layouts pass only the noised block). `align=False` returns the raw outputs (index i = output at position i) for layouts that map predictions to
-        tokens themselves (block diffusion, `dlm.modeling.blocks`).
+        layouts pass only the noised block). `align=False` returns the raw outputs (index i = output at position i)
+        for layouts that map predictions to tokens themselves (block diffusion, `dlm.modeling.blocks`).
         `carry` [B, L, d] is the previous step's hidden state (PUMBA Eq. 3.1; needs a model built with a carry);
         `embeds_delta` [B, L, d] is added to the token embeddings (gradient paths of the discrete bridges).
         `logits_to_keep` N > 0 (with `align=False`) computes the LM head for the last N positions only (decoders that
@@ -145,7 +146,8 @@ class DiffusionLM(nn.Module):
                 embeds = embeds + added.to(embeds.dtype)
             if embeds_delta is not None:
                 embeds = embeds + embeds_delta.to(embeds.dtype)
-            hidden = self.backbone.base_model(inputs_embeds=embeds, attention_mask=attention_mask, **kwargs).last_hidden_state
+            out = self.backbone.base_model(inputs_embeds=embeds, attention_mask=attention_mask, **kwargs)
+            hidden = out.last_hidden_state
             logits = self.backbone.get_output_embeddings()(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
         if self.spec.family != "autoregressive" and align:
             logits = align_logits(logits, self.spec.label_shift)

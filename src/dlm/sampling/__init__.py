@@ -4,9 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dlm.sampling.options import (AutoregressiveOptions, MaskedOptions, SamplingOptions,  # noqa: F401 (re-exported)
-                                  SamplingSettings, SimplexOptions, ignored, parse_options, parse_settings,
-                                  resolve_options)
+from dlm.sampling.options import (  # noqa: F401 (re-exported)
+    AutoregressiveOptions,
+    MaskedOptions,
+    SamplingOptions,
+    SamplingSettings,
+    SimplexOptions,
+    ignored,
+    parse_options,
+    parse_settings,
+    resolve_options,
+)
 
 
 def generate(model, prompts: Sequence[Sequence[int]], options=None, *, max_new_tokens: int, eos_id: int, pad_id: int,

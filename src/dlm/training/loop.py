@@ -95,7 +95,8 @@ class Trainer:
         optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": oc.weight_decay},
                                        {"params": no_decay, "weight_decay": 0.0}], lr=oc.lr, betas=oc.betas, eps=oc.eps)
         scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, partial(lr_lambda, warmup=oc.warmup_steps, total=tc.steps, schedule=oc.schedule, min_ratio=oc.min_lr_ratio))
+            optimizer, partial(lr_lambda, warmup=oc.warmup_steps, total=tc.steps, schedule=oc.schedule,
+                               min_ratio=oc.min_lr_ratio))
         self.model, self.optimizer = self.acc.prepare(model, optimizer)
         self.scheduler = scheduler
         self.objective = build_objective(tc.objective, recipe, self.tok.mask_token_id, self.acc.process_index)
