@@ -127,7 +127,7 @@ def test_bad_recipe_files(tmp_path, capsys, text, message):
 
 
 # ---- prompts longer than the model's context --------------------------------------------------------------------
-def test_a_5mb_prompt_line_is_refused_by_generate_and_cut_by_eval_at_once(tmp_path, capsys, ar_model, monkeypatch):
+def test_a_5mb_prompt_line_is_refused_at_once_or_cut_on_request(tmp_path, capsys, ar_model, monkeypatch):
     import dlm.data.prompts as prompts_module
 
     tokenized = []
@@ -142,10 +142,13 @@ def test_a_5mb_prompt_line_is_refused_by_generate_and_cut_by_eval_at_once(tmp_pa
         "128 (max_position_embeddings); shorten it, or keep its last 120 tokens (128 minus 8 to generate) with "
         "--truncate-prompts")
 
-    # evaluation keeps the end of the prompt, as training canvases do, and says so
+    # dlm eval refuses it naming file:line, and with --truncate-prompts keeps the end of the prompt, as training
+    # canvases do, and says so
     data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "Ann has 2 cats.", "response": "x", "answer": 2},
                                                {"prompt": LONG_LINE, "response": "x", "answer": 1}])
-    main(["eval", str(ar_model), "--data", str(data), "--max-new-tokens", "8"])
+    line = one_line_error(capsys, "eval", ar_model, "--data", data, "--max-new-tokens", "8")
+    assert line.startswith(f"dlm eval: {data}:2: prompt is over ") and line.endswith("with --truncate-prompts")
+    main(["eval", str(ar_model), "--data", str(data), "--max-new-tokens", "8", "--truncate-prompts"])
     captured = capsys.readouterr()
     assert "trivial baseline" in captured.out
     assert (f"dlm: 1 of 2 prompts were longer than the model's context of 128 and kept their last 120 tokens (128 "

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from dlm.errors import DlmError
 from dlm.evaluation.intrinsic import distinct_n, mauve_score, unigram_entropy
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: latency-bound on 1 thread
@@ -70,7 +71,7 @@ def test_intrinsic_table_end_to_end(tmp_path, tiny_tokenizer):
     assert [r["model"] for r in rows] == ["references", str(tmp_path / "sx")] and rows[1]["inference_steps"] == 2
     assert all(r["perplexity"] > 1 and 0 <= r["dist_1"] <= 1 for r in rows)
     assert json.loads((tmp_path / "out.json").read_text())["n"] == 20
-    with pytest.raises(ValueError, match="autoregressive"):
+    with pytest.raises(DlmError, match="autoregressive"):
         run_intrinsic([tmp_path / "sx"], data, tmp_path / "sx", with_mauve=False)
 
 

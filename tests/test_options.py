@@ -196,15 +196,16 @@ def test_every_documented_command_parses_and_validates():
             parse_sweep(args.sweep, settings)
 
 
-def test_cli_errors_name_the_flag(tmp_path):
+def test_cli_errors_name_the_flag(tmp_path, capsys):
     from dlm.cli import _sampling_settings, build_parser, main
 
     with pytest.raises(OptionsError, match=r"^--tau 1.5: confidence_threshold must be a number in \(0, 1\]$"):
         _sampling_settings(build_parser().parse_args(["eval", "runs/x", "--tau", "1.5"]))
-    with pytest.raises(SystemExit, match=r"--u 0: reveal_count must be an integer >= 1"):
-        main(["eval", "runs/x", "--data", str(tmp_path / "d.jsonl"), "--u", "0"])
-    with pytest.raises(SystemExit, match=r"--sweep 'eta=0,0.5': guidance_scale 0.5 needs a reward_model"):
-        main(["eval", "runs/x", "--data", str(tmp_path / "d.jsonl"), "--sweep", "eta=0,0.5"])
+    for flags, message in ((["--u", "0"], "--u 0: reveal_count must be an integer >= 1"),
+                           (["--sweep", "eta=0,0.5"], "--sweep 'eta=0,0.5': guidance_scale 0.5 needs a reward_model")):
+        with pytest.raises(SystemExit) as e:
+            main(["eval", "runs/x", "--data", str(tmp_path / "d.jsonl"), *flags])
+        assert e.value.code == 2 and capsys.readouterr().err.startswith(f"dlm eval: {message}")
 
 
 # ---- sweeps -------------------------------------------------------------------------------------------------------

@@ -28,7 +28,8 @@ def _cmd_data(a):
         print(f"{name:>10}: {path}")
     first = json.loads(open(paths["train"]).readline())
     response = first["response"].replace("\n", "\n            ")
-    print(f"\nexample ({a.level}):\n  prompt:   {first['prompt']}\n  response: {response}\n  answer:   {first['answer']}")
+    print(f"\nexample ({a.level}):\n  prompt:   {first['prompt']}\n  response: {response}\n"
+          f"  answer:   {first['answer']}")
 
 
 def _cmd_train(a):
@@ -47,10 +48,7 @@ def _cmd_generate(a):
     from dlm.data.sources import read_prompts
     from dlm.sampling import generate_text
 
-    try:
-        settings = _sampling_settings(a)
-    except ValueError as err:
-        sys.exit(f"dlm generate: {err}")
+    settings = _sampling_settings(a)
     prompts = list(a.prompt or []) + (read_prompts(a.file) if a.file else [])
     if not prompts:
         sys.exit("dlm generate: give at least one --prompt or a --file")
@@ -122,38 +120,27 @@ def _cmd_eval(a):
     from dlm.evaluation.run import default_task_file
     from dlm.evaluation.sweeps import run_sweep, write_sweep
 
-    try:
-        settings = _sampling_settings(a)
-    except ValueError as err:
-        sys.exit(f"dlm eval: {err}")
+    settings = _sampling_settings(a)
     data = a.data or default_task_file(a.model[0], a.task)
     if a.metric == "mask-discrepancy":
         from dlm.evaluation.mask_discrepancy import run_mask_discrepancy
 
         if a.dtype != "float32":
             sys.exit("dlm eval: --metric mask-discrepancy runs in float32 only; drop --dtype")
-        try:
-            run_mask_discrepancy(a.model, data, u=settings.reveal_count, n=a.n or 50, seed=a.seed, out=a.out)
-        except ValueError as err:
-            sys.exit(f"dlm eval: {err}")
+        run_mask_discrepancy(a.model, data, u=settings.reveal_count, n=a.n or 50, seed=a.seed, out=a.out)
         return
     if a.metric == "intrinsic":
         from dlm.evaluation.intrinsic import run_intrinsic
 
         if not a.reference_model:
             sys.exit("dlm eval: --metric intrinsic needs --reference-model (a held-out AR model directory)")
-        try:
-            run_intrinsic(a.model, data, a.reference_model, settings, n=a.n, batch_size=a.batch_size,
-                          max_new_tokens=a.max_new_tokens, seed=a.seed, with_mauve=not a.no_mauve, out=a.out,
-                          dtype=a.dtype)
-        except ValueError as err:
-            sys.exit(f"dlm eval: {err}")
+        run_intrinsic(a.model, data, a.reference_model, settings, n=a.n, batch_size=a.batch_size,
+                      max_new_tokens=a.max_new_tokens, seed=a.seed, with_mauve=not a.no_mauve, out=a.out,
+                      dtype=a.dtype, truncate_prompts=a.truncate_prompts)
         return
-    try:
-        result = run_sweep(a.model, data, settings, sweep=a.sweep, n=a.n, batch_size=a.batch_size,
-                           max_new_tokens=a.max_new_tokens, seed=a.seed, dtype=a.dtype)
-    except ValueError as err:
-        sys.exit(f"dlm eval: {err}")
+    result = run_sweep(a.model, data, settings, sweep=a.sweep, n=a.n, batch_size=a.batch_size,
+                       max_new_tokens=a.max_new_tokens, seed=a.seed, dtype=a.dtype,
+                       truncate_prompts=a.truncate_prompts)
     print(f"trivial baseline (most common answer): {100 * result['trivial_baseline']:.1f}% on {result['n']} problems")
     if a.out:
         table, png = write_sweep(result, a.out)
@@ -232,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "perplexity under --reference-model, dist-1..4, unigram entropy, MAUVE (TESS 2 §4.1)")
     e.add_argument("--data", help="jsonl with prompt/response/answer (default: the first model's own test split)")
     e.add_argument("--n", type=int, help="evaluate only the first N problems")
+    e.add_argument("--truncate-prompts", action="store_true",
+                   help="keep the end of a prompt too long for the model's context, as training canvases do "
+                   "(default: refuse it, naming file:line)")
     e.add_argument("--sweep", help="grid over one sampling option, by its name or short name: tau=0.7,0.8,0.9,1.0 or "
                    "u=1,2,4,8 (masked); steps=10,100 or eta=0,0.25 (simplex)")
     e.add_argument("--batch-size", type=int, default=50)

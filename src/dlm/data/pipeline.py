@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from dlm.data.canvas import collate, collate_packed, collate_pairs, make_example, pack_documents
-from dlm.data.sources import load_records, read_text
+from dlm.data.sources import DataError, load_records, read_text
 from dlm.data.tokenizer import corpus_texts, encode_pair, load_tokenizer, train_bpe_tokenizer
 
 if TYPE_CHECKING:  # the recipe's sections, read by field: data sits below the recipe schema
@@ -61,7 +61,7 @@ def encode_examples(tok, records: Sequence[dict], max_length: int,
     to whole blocks with `block_size`), or packed rows of `max_length` tokens for plain text (pretraining-style
     objectives)."""
     if block_size and records and ("text" in records[0] or "rejected" in records[0]):
-        raise ValueError("block diffusion trains on prompt/response records (not plain text or preference pairs)")
+        raise DataError("block diffusion trains on prompt/response records (not plain text or preference pairs)")
     if records and "text" in records[0]:
         docs = [tok(r["text"], add_special_tokens=False)["input_ids"] for r in records]
         return list(pack_documents(docs, max_length, tok.eos_token_id)), collate_packed
@@ -82,7 +82,8 @@ class BatchStream:
                  world_size: int = 1):
         global_batch = batch_size * world_size
         if len(examples) < global_batch:
-            raise ValueError(f"{len(examples)} training examples is fewer than one global batch ({global_batch})")
+            raise DataError(f"{len(examples)} training examples is fewer than one global batch ({global_batch}): "
+                            "add data or lower train.batch_size")
         self.examples, self.batch_size, self.collate_fn = examples, batch_size, collate_fn
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.epoch, self.cursor = 0, 0

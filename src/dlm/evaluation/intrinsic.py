@@ -14,6 +14,7 @@ import torch
 
 from dlm.data.canvas import collate, make_example
 from dlm.data.tokenizer import encode_pair
+from dlm.errors import DlmError
 from dlm.modeling.reward import last_token_index
 
 
@@ -85,7 +86,7 @@ def intrinsic_metrics(prompts: Sequence[str], generations: Sequence[str], refere
 def run_intrinsic(models: Sequence[str | Path], data: str | Path, reference_model: str | Path, options=None, *,
                   n: int | None = None, batch_size: int = 50, max_new_tokens: int = 128, seed: int = 0,
                   with_mauve: bool = True, out: str | Path | None = None, progress: bool = True,
-                  dtype=None) -> dict:
+                  dtype=None, truncate_prompts: bool = False) -> dict:
     """One row per model: its generations for the prompts of `data`, scored by the held-out `reference_model`;
     the references (the data's responses) get a row too, as the ceiling. Each model samples with its family's share
     of `options` (SamplingSettings, one family's SamplingOptions or None). The evaluated models generate at `dtype`
@@ -98,7 +99,7 @@ def run_intrinsic(models: Sequence[str | Path], data: str | Path, reference_mode
     records = records[:n] if n else records
     ref_model, ref_tok = load_for_inference(reference_model)
     if ref_model.spec.family != "autoregressive":
-        raise ValueError(f"{reference_model}: the held-out model must be an autoregressive model")
+        raise DlmError(f"{reference_model}: the held-out model must be an autoregressive model")
     prompts, references = [r["prompt"] for r in records], [r["response"] for r in records]
     rows = [{"model": "references", **intrinsic_metrics(prompts, references, references, ref_tok, ref_model, ref_tok,
                                                         batch_size, with_mauve)}]
@@ -107,7 +108,8 @@ def run_intrinsic(models: Sequence[str | Path], data: str | Path, reference_mode
         graded = "answer" in records[0]
         own = resolve_options(model.spec.family, options, strict=False)
         r = evaluate(model, tok, records if graded else [{**x, "answer": None} for x in records], own,
-                     batch_size=batch_size, max_new_tokens=max_new_tokens, seed=seed)
+                     batch_size=batch_size, max_new_tokens=max_new_tokens, seed=seed,
+                     truncate_prompts=truncate_prompts)
         generations = [s["generation"] for s in r["samples"]]
         row = {"model": str(path), "family": model.spec.family, **own.model_dump(mode="json"),
                **intrinsic_metrics(prompts, generations, references, tok, ref_model, ref_tok, batch_size, with_mauve)}

@@ -25,6 +25,7 @@ from dlm.data.canvas import Example, collate
 from dlm.data.tokenizer import encode_pair
 from dlm.diffusion import policies
 from dlm.diffusion.progressive import construction_for
+from dlm.errors import DlmError
 from dlm.modeling.blocks import block_forward, num_blocks
 from dlm.sampling.masked import generate as masked_generate
 
@@ -222,7 +223,7 @@ def run_mask_discrepancy(models: Sequence[str], data, u: int = 2, n: int = 50, s
     for path in models:
         model, tok = load_for_inference(path)
         if model.spec.family != "masked":
-            raise ValueError(f"{path}: mask discrepancy needs a masked model (family {model.spec.family!r})")
+            raise DlmError(f"{path}: mask discrepancy needs a masked model (family {model.spec.family!r})")
         run = training_construction(path)
         res = mask_discrepancy(model, tok, records, run.training, run.construction, u=u, n_problems=n, seed=seed,
                                progress=progress)

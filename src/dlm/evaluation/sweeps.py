@@ -7,7 +7,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from dlm.data.sources import read_jsonl
+from dlm.data.sources import DataError, read_jsonl
 from dlm.errors import OptionsError
 from dlm.evaluation.tasks import evaluate, trivial_baseline
 from dlm.sampling import dtype_name, ignored, load_for_inference, resolve_options
@@ -34,7 +34,7 @@ def parse_sweep(spec: str | None, options=None) -> tuple[str | None, list]:
 
 def run_sweep(models: Sequence[str | Path], data: str | Path, options=None, *, sweep: str | None = None,
               n: int | None = None, batch_size: int = 50, max_new_tokens: int = 128, seed: int = 0,
-              progress: bool = True, dtype=None) -> dict:
+              progress: bool = True, dtype=None, truncate_prompts: bool = False) -> dict:
     """One row per (model, grid value), each row recording the options it ran with. Every model samples with its
     family's share of `options` (SamplingSettings, one family's SamplingOptions or None: the defaults); a model of
     another family than the swept option's gives a single row. Every model is loaded and run at `dtype` (e.g.
@@ -42,7 +42,7 @@ def run_sweep(models: Sequence[str | Path], data: str | Path, options=None, *, s
     name, values = parse_sweep(sweep, options)
     records = read_jsonl(data, required=("prompt", "response"))
     if any("answer" not in r for r in records):
-        raise ValueError(f"{data}: every record needs an 'answer' field to be graded")
+        raise DataError(f"{data}: every record needs an 'answer' field to be graded")
     records = records[:n] if n else records
     rows = []
     for path in models:
@@ -54,7 +54,7 @@ def run_sweep(models: Sequence[str | Path], data: str | Path, options=None, *, s
         for value in values if OWNER.get(name) == family else [None]:
             opts = base if value is None else base.replace(**{name: value})
             r = evaluate(model, tok, records, opts, batch_size=batch_size, max_new_tokens=max_new_tokens, seed=seed,
-                         progress=progress)
+                         progress=progress, truncate_prompts=truncate_prompts)
             row = {"model": str(path), "family": family, **opts.model_dump(mode="json"),
                    **{k: r[k] for k in ("accuracy", "n", "mean_nfe", "tokens_per_nfe", "wall_s", "ms_per_problem")}}
             rows.append(row)

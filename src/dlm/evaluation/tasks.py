@@ -21,9 +21,10 @@ def grade_programs(programs: Sequence[str], answers: Sequence, timeout: float = 
 
 
 def evaluate(model, tok, records: Sequence[dict], options=None, *, batch_size: int = 50, max_new_tokens: int = 128,
-             temperature: float = 0.0, seed: int = 0, progress: bool = False) -> dict:
+             temperature: float = 0.0, seed: int = 0, progress: bool = False, truncate_prompts: bool = False) -> dict:
     """Accuracy, mean NFE, tokens per NFE and wall time of `model` on `records` (which carry an `answer`), sampled
-    with `options` (as for `dlm.sampling.generate`: the model family's options, SamplingSettings or None)."""
+    with `options` (as for `dlm.sampling.generate`: the model family's options, SamplingSettings or None). A prompt
+    longer than the model's context is refused naming its file:line, or with `truncate_prompts` keeps its end."""
     if model.spec.family == "reward":  # a reward model generates nothing: pairwise accuracy on chosen vs rejected
         from dlm.evaluation.reward import evaluate_reward
 
@@ -31,7 +32,7 @@ def evaluate(model, tok, records: Sequence[dict], options=None, *, batch_size: i
     options = resolve_options(model.spec.family, options)
     model.eval()
     generator = torch.Generator().manual_seed(seed)
-    prompts = encode_prompts(tok, records, model, max_new_tokens, truncate=True)  # longer than the context: its end
+    prompts = encode_prompts(tok, records, model, max_new_tokens, truncate=truncate_prompts)
     texts, nfes, n_tokens = [], [], 0
     t0 = time.perf_counter()
     batches = range(0, len(records), batch_size)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from dlm.errors import OptionsError
 from dlm.modeling.reward import reward_scores
 
 _LOADED: dict[str, object] = {}
@@ -17,7 +18,6 @@ def resolve_reward_model(reward_model):
     """A loaded reward model, or one loaded (once per process) from a model or run directory."""
     if not isinstance(reward_model, (str, Path)):
         return reward_model
-    from dlm.errors import OptionsError
     from dlm.modeling.backbone import resolve_model_dir
     from dlm.modeling.build import load_model
 
@@ -44,7 +44,7 @@ def check_compatible(model, reward_model) -> None:
         if a is not None and b is not None and a != b:
             problems.append(f"{name} {a} vs {b}")
     if problems:
-        raise ValueError("reward guidance needs a reward model with the diffusion model's tokenizer (TESS 2 §3.4); "
+        raise OptionsError("reward guidance needs a reward model with the diffusion model's tokenizer (TESS 2 §3.4); "
                          f"they differ: {', '.join(problems)}. Train the reward model from the same checkpoint family "
                          "(e.g. model.init_from the AR baseline the diffusion model was adapted from).")
 

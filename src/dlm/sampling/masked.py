@@ -20,6 +20,7 @@ from functools import partial
 import torch
 
 from dlm.data.canvas import left_pad
+from dlm.errors import OptionsError
 from dlm.modeling.blocks import block_causal_mask, canvas_blocks, num_blocks
 from dlm.sampling import block_cache
 from dlm.sampling.steps import Progress, first_index, make_rule, reveal_step
@@ -77,8 +78,8 @@ def generate(
         if cache not in ("prefix", "dual"):
             raise ValueError(f"unknown cache {cache!r}; choose prefix or dual (or None for no cache)")
         if block_causal or block_size is None or uses_carry:
-            raise ValueError("cache='prefix'/'dual' (Fast-dLLM) is for full-canvas models without a carry and needs a "
-                             "block_size; block-causal models use kv_cache instead")
+            raise OptionsError("cache='prefix'/'dual' (Fast-dLLM) is for full-canvas models without a carry and needs "
+                               "a block_size; block-causal models use kv_cache instead")
     if block_causal:
         gen_length = num_blocks(gen_length, block_size) * block_size
     device = next(model.parameters()).device

@@ -13,6 +13,7 @@ import torch
 
 from dlm.data.canvas import left_pad
 from dlm.diffusion.simplex import cosine_alpha_bar, inference_timesteps, project_argmax, project_top_p, reverse_step
+from dlm.errors import OptionsError
 from dlm.modeling.simplex import simplex_logits
 
 
@@ -53,7 +54,7 @@ def generate(
     if spec.family != "simplex" or spec.simplex_k is None or spec.simplex_timesteps is None:
         raise ValueError("the simplex sampler needs a simplex model (dlm.json with simplex_k and simplex_timesteps)")
     if temperature > 0:
-        raise ValueError("the simplex sampler has no temperature: sample with top_p (e.g. 0.99) instead")
+        raise OptionsError("the simplex sampler has no temperature: sample with top_p (e.g. 0.99) instead")
     if reward_model is not None and guidance_scale != 0:
         from dlm.sampling.guidance import check_compatible, resolve_reward_model
 

@@ -223,7 +223,8 @@ class Trainer:
             ctx = self.ema.applied(model) if self.ema else _nullcontext(model)
             with ctx:
                 r = evaluate(model, self.tok, records, ec, batch_size=ec.batch_size, max_new_tokens=ec.max_new_tokens,
-                             temperature=ec.temperature, seed=self.recipe.train.seed)
+                             temperature=ec.temperature, seed=self.recipe.train.seed,
+                             truncate_prompts=True)  # as the training canvases keep a prompt's end
             result = {"eval/accuracy": r["accuracy"], "eval/mean_nfe": r["mean_nfe"], "eval/split": split,
                       "eval/n": r["n"], "eval/ms_per_problem": r["ms_per_problem"], "samples": r["samples"]}
         self.acc.wait_for_everyone()
