@@ -237,8 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "baseline, adapts it into a masked diffusion model, evaluates both on the test split (accuracy, "
                        "NFE, time) and renders the masked model's denoising step by step.")
     m.add_argument("--out", default="runs/demo", help="run directory (default: runs/demo)")
-    m.add_argument("--minutes", type=float, default=8.0,
-                   help="training time budget, split over both stages (default: 8)")
+    m.add_argument("--minutes", type=float, default=9.0,
+                   help="training time budget, split over both stages in proportion to their updates (default: 9)")
     m.set_defaults(func=_cmd_demo)
     return p
 
