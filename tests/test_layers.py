@@ -1,17 +1,17 @@
-"""The layer rule (docs/design.md, "Layers"): imports point one way, lazy (function-level) imports included.
+"""The layer rule (docs/design.md, "Boundaries"): imports point one way, lazy (function-level) imports included.
 
     modeling, diffusion, data  ->  sampling  ->  config  ->  evaluation  ->  training  ->  cli, demo
                                                (serve: sampling, evaluation, config and below)
 
-Each package may import `dlm.errors`, its own layer and the layers listed before it; `cli` and `demo` may import
-anything. Imports under `if TYPE_CHECKING:` are annotations only and do not count. No two modules import each other
-(directly or through a longer circle)."""
+Each package may import `dlm.errors` and `dlm.checkpoint` (the run directory's checkpoint layout), its own layer and
+the layers listed before it; `cli` and `demo` may import anything. Imports under `if TYPE_CHECKING:` are annotations
+only and do not count. No two modules import each other (directly or through a longer circle)."""
 
 import ast
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "dlm"
-BASE = {"errors", "modeling", "diffusion", "data"}
+BASE = {"errors", "checkpoint", "modeling", "diffusion", "data"}
 ALLOWED = {
     "errors": set(),
     "modeling": BASE,

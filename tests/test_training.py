@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
+from dlm import checkpoint as ckpt
 from dlm.config import load_recipe
-from dlm.training import checkpoint as ckpt
 from dlm.training.loop import lr_lambda, train
 
 

@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
+from dlm import checkpoint as ckpt
 from dlm.cli import main
 from dlm.errors import DlmError
-from dlm.training import checkpoint as ckpt
 from dlm.training.loop import Trainer, train
 from dlm.training.objectives.autoregressive import AutoregressiveObjective
 from tests.test_training import losses, small_recipe

@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 import torch
 
+from dlm import checkpoint
 from dlm.data.canvas import Example, collate
 from dlm.data.tokenizer import encode_pair
 from dlm.diffusion import policies
@@ -198,12 +199,8 @@ def _checkpoint_step(path: Path, run: Path) -> tuple[int | None, str | None]:
     elif path.name == "model" and path.parent != run and (path.parent / "trainer.pt").is_file():
         found = path.parent / "trainer.pt"
     else:
-        root = run / "checkpoints"
-        pointer = root / "latest"
-        candidates = [root / pointer.read_text().strip()] if pointer.is_file() else []
-        candidates += sorted(root.glob("step_*"), reverse=True)
-        complete = [c / "trainer.pt" for c in candidates if (c / "COMPLETE").is_file()]
-        found = next((f for f in complete if f.is_file()), None)
+        latest = checkpoint.latest(run / "checkpoints")
+        found = latest / "trainer.pt" if latest is not None and (latest / "trainer.pt").is_file() else None
     if found is None:
         return None, None
     state = torch.load(found, map_location="cpu", weights_only=False, mmap=True)

@@ -23,13 +23,13 @@ from accelerate.state import AcceleratorState
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
+from dlm import checkpoint as ckpt
 from dlm.config import Recipe, dump_recipe, model_spec
 from dlm.data.pipeline import BatchStream, build_tokenizer, encode_examples, load_splits
 from dlm.data.tokenizer import ensure_special_tokens, load_tokenizer
 from dlm.errors import DlmError
 from dlm.modeling.backbone import DiffusionLM, count_parameters, resolve_model_dir
 from dlm.modeling.build import build
-from dlm.training import checkpoint as ckpt
 from dlm.training.ema import EMA
 from dlm.training.objectives import build_objective
 
