@@ -15,7 +15,6 @@ EPILOG = """examples:
   dlm train recipes/tinymath/ar.yaml --resume     continue exactly from the newest checkpoint
   dlm generate runs/ar --prompt "Mia has 3 apples and buys 4 more. How many apples does she have?"
   dlm eval runs/ar --task tinymath --n 200
-  dlm convert ~/models/LLaDA-8B-Instruct models/llada-8b    LLaDA / Dream -> plain HF + dlm (no remote code)
 """
 
 
@@ -155,22 +154,6 @@ def _cmd_convert(a):
         print(line)
 
 
-def _convert_formats() -> str:
-    """The --help table of the formats `dlm convert` reads (from the registry; no torch import)."""
-    import textwrap
-
-    from dlm.modeling.formats import FORMATS
-
-    rows = []
-    for f in dict.fromkeys(FORMATS.values()):
-        keys = ", ".join(f"{s}->{t}" for s, t in f.config_keys)
-        rows.append(textwrap.fill(
-            f"model_type {' / '.join(f.model_types)} ({f.name}): becomes {f.architecture}, bidirectional attention, "
-            f"label shift {'on (output i predicts token i+1)' if f.label_shift else 'off'}, mask id from config.json "
-            f"(published: {f.mask_token_id}); config keys {keys}", 100, initial_indent="  ", subsequent_indent="    "))
-    return "\n".join(rows)
-
-
 def _cmd_demo(a):
     from dlm.demo import run_demo
 
@@ -256,15 +239,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_flags(e)
     e.set_defaults(func=_cmd_eval)
 
+    from dlm.modeling.formats import describe
+
     c = sub.add_parser("convert", help="a LLaDA or Dream checkpoint -> a plain HF + dlm model (no remote code)",
                        description="Rewrite a local LLaDA or Dream checkpoint (safetensors, config.json with remote "
                        "code in auto_map) as a model that loads with plain transformers and dlm: HF's own class with "
                        "bidirectional attention, renamed tensors, the tokenizer with its stock class and the mask "
                        "token set, dlm.json (masked family, label shift, mask/EOS/PAD ids). Remote .py files are not "
                        "copied. Tensors are streamed one at a time into shards of at most --shard-size bytes (peak "
-                       "memory: one shard), written into DST.tmp-* and renamed to DST at the end. `train` and "
-                       "`generate` also read these checkpoints directly, converting in memory.",
-                       epilog="formats:\n" + _convert_formats() + "\n\nexample: dlm convert ~/models/LLaDA-8B-Instruct "
+                       "memory: one shard), written into DST.tmp-* and renamed to DST at the end. A recipe's "
+                       "model.init_from also accepts these checkpoints directly, converting in memory.",
+                       epilog="formats:\n" + describe() + "\n\nexample: dlm convert ~/models/LLaDA-8B-Instruct "
                        "~/models/llada-8b-instruct-hf --shard-size 5GB",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     c.add_argument("src", help="the checkpoint directory (config.json, *.safetensors, tokenizer files)")

@@ -44,6 +44,7 @@ input dtype).
 from __future__ import annotations
 
 import re
+import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -192,3 +193,16 @@ FORMATS: dict[str, Format] = {t: f for f in (LLADA, DREAM) for t in f.model_type
 
 def supported() -> str:
     return ", ".join(f"{'/'.join(f.model_types)} ({f.name})" for f in (LLADA, DREAM))
+
+
+def describe(width: int = 100) -> str:
+    """One paragraph per format for `dlm convert --help`: model_type, HF class, label shift, mask id, config keys."""
+    rows = []
+    for f in (LLADA, DREAM):
+        keys = ", ".join(f"{s}->{t}" for s, t in f.config_keys)
+        rows.append(textwrap.fill(
+            f"model_type {' / '.join(f.model_types)} ({f.name}): becomes {f.architecture}, bidirectional attention, "
+            f"label shift {'on (output i predicts token i+1)' if f.label_shift else 'off'}, mask id from config.json "
+            f"(published: {f.mask_token_id}); config keys {keys}", width, initial_indent="  ",
+            subsequent_indent="    "))
+    return "\n".join(rows)
