@@ -147,6 +147,13 @@ def _cmd_eval(a):
         print(f"results: {table}\nplot:    {png}")
 
 
+def _cmd_convert(a):
+    from dlm.modeling.convert import convert, parse_size
+
+    for line in convert(a.src, a.dst, dtype=a.dtype, shard_size=parse_size(a.shard_size)):
+        print(line)
+
+
 def _cmd_demo(a):
     from dlm.demo import run_demo
 
@@ -231,6 +238,27 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", help="write the table (JSON) here and the plot beside it (.png)")
     _add_sampling_flags(e)
     e.set_defaults(func=_cmd_eval)
+
+    from dlm.modeling.formats import describe
+
+    c = sub.add_parser("convert", help="a LLaDA or Dream checkpoint -> a plain HF + dlm model (no remote code)",
+                       description="Rewrite a local LLaDA or Dream checkpoint (safetensors, config.json with remote "
+                       "code in auto_map) as a model that loads with plain transformers and dlm: HF's own class with "
+                       "bidirectional attention, renamed tensors, the tokenizer with its stock class and the mask "
+                       "token set, dlm.json (masked family, label shift, mask/EOS/PAD ids). Remote .py files are not "
+                       "copied. Tensors are streamed one at a time into shards of at most --shard-size bytes (peak "
+                       "memory: one shard), written into DST.tmp-* and renamed to DST at the end. A recipe's "
+                       "model.init_from also accepts these checkpoints directly, converting in memory.",
+                       epilog="formats:\n" + describe() + "\n\nexample: dlm convert ~/models/LLaDA-8B-Instruct "
+                       "~/models/llada-8b-instruct-hf --shard-size 5GB",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    c.add_argument("src", help="the checkpoint directory (config.json, *.safetensors, tokenizer files)")
+    c.add_argument("dst", help="the new model directory (must not exist)")
+    c.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                   help="cast the weights (default: keep the checkpoint's dtype, e.g. bf16 stays bf16)")
+    c.add_argument("--shard-size", default="2GB", help="largest safetensors shard, e.g. 2GB, 500MB (default: 2GB); "
+                   "an index is written when there is more than one")
+    c.set_defaults(func=_cmd_convert)
 
     m = sub.add_parser("demo", help="tinymath → AR run → masked diffusion adapted from it → evaluation + denoising",
                        description="The embedded default, on 2 CPU cores: generates tinymath (easy), trains the AR "

@@ -62,8 +62,13 @@ def train_bpe_tokenizer(texts: Sequence[str], vocab_size: int = 1024,
 
 def load_tokenizer(name_or_path: str | Path) -> PreTrainedTokenizerBase:
     """Any HF tokenizer (local path or cached name), completed with PAD, a mask token and the role-label template
-    where it lacks them. New special tokens grow the vocabulary: call `resize_for(tokenizer, model)` after."""
-    tok = AutoTokenizer.from_pretrained(str(name_or_path))
+    where it lacks them; a LLaDA / Dream checkpoint's tokenizer as `dlm convert` would write it (stock class, its own
+    mask token). New special tokens grow the vocabulary: call `resize_for(tokenizer, model)` after."""
+    from dlm.modeling.convert import foreign_tokenizer
+
+    tok = foreign_tokenizer(name_or_path) if Path(name_or_path).is_dir() else None
+    if tok is None:
+        tok = AutoTokenizer.from_pretrained(str(name_or_path))
     ensure_special_tokens(tok)
     return tok
 

@@ -17,6 +17,7 @@ from transformers.utils import logging as hf_logging
 
 from dlm.errors import ModelNotFoundError
 from dlm.modeling.carry import CARRY_MODULE, carry_input
+from dlm.modeling.convert import format_of, load_foreign
 from dlm.modeling.spec import Attention, ModelSpec
 
 hf_logging.disable_progress_bar()
@@ -60,11 +61,15 @@ def build_backbone(
 
 def load_backbone(path: str | Path, attention: Attention | None = None,
                   dtype: torch.dtype | None = None) -> PreTrainedModel:
-    """Any local HF causal-LM checkpoint; `attention` overrides the checkpoint's own mode."""
+    """Any local HF causal-LM checkpoint, or a LLaDA / Dream checkpoint read without its remote code (renamed in
+    memory, `dlm.modeling.convert`); `attention` overrides the checkpoint's own mode."""
     path = Path(path)
     if not (path / "config.json").is_file():
         raise ModelNotFoundError(f"{path}: not a Hugging Face checkpoint (no config.json)")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32)
+    if format_of(path) is not None:
+        model = load_foreign(path, dtype=dtype or torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32)
     if attention is not None:
         set_attention(model, attention)
     return model
