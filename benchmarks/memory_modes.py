@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -47,11 +48,12 @@ def measure(mode: str, base: Path, work: Path, preset: str) -> dict:
     trainer.acc.backward(loss)
     grads = _bytes(p.grad for p in params if p.grad is not None)
     trainer.optimizer.step()
-    optimizer = _bytes(t for s in trainer.optimizer.state.values() for t in s.values() if torch.is_tensor(t))
+    moments = (t for s in trainer.optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim())
+    optimizer = _bytes(moments)  # exp_avg and exp_avg_sq (the per-tensor step counters are scalars)
     n = sum(p.numel() for p in params)
     row = {"mode": mode, "parameters": n, "trainable": sum(p.numel() for p in params if p.requires_grad),
            "weights_bytes": _bytes(params), "grads_bytes": grads, "adamw_bytes": optimizer,
-           "ema_bytes": _bytes(trainer.ema.shadow.values())}
+           "ema_bytes": _bytes({id(t): t for t in trainer.ema.shadow.values()}.values())}  # tied names: one tensor
     row["bytes_per_param"] = {k.removesuffix("_bytes"): row[k] / n for k in row if k.endswith("_bytes")}
     row["bytes_per_param"]["total_without_ema"] = (row["weights_bytes"] + grads + optimizer) / n
     row["bytes_per_param"]["total_with_ema"] = row["bytes_per_param"]["total_without_ema"] + row["ema_bytes"] / n
@@ -62,6 +64,7 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="small", help="model size preset (default: small)")
     p.add_argument("--out", help="write the rows (JSON) here and a Markdown table beside it")
+    argv = sys.argv[1:] if argv is None else argv
     args = p.parse_args(argv)
 
     import torch
@@ -77,9 +80,10 @@ def main(argv=None) -> dict:
         build(ModelSpec(), preset=args.preset, vocab_size=len(tok)).save_pretrained(work / "base")
         tok.save_pretrained(work / "base")
         rows = [measure(mode, work / "base", work, args.preset) for mode in MODES]
-    result = {"command": "python benchmarks/memory_modes.py " + " ".join(argv or []), "machine": platform.platform(),
+    result = {"command": " ".join(["python benchmarks/memory_modes.py", *argv]), "machine": platform.platform(),
               "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "rows": rows}
-    header = "| mode | trainable | weights | grads | AdamW | EMA | total (+EMA) B/param |\n|---|---|---|---|---|---|---|\n"
+    header = ("| mode | trainable | weights | grads | AdamW | EMA | total (+EMA) B/param |\n"
+              "|---|---|---|---|---|---|---|\n")
     table = header + "".join(
         f"| {r['mode']} | {100 * r['trainable'] / r['parameters']:.2f} % | {b['weights']:.2f} | {b['grads']:.2f} | "
         f"{b['adamw']:.2f} | {b['ema']:.2f} | {b['total_without_ema']:.2f} ({b['total_with_ema']:.2f}) |\n"

@@ -26,7 +26,7 @@ CASES = {
     "block-mdm": ("train.objective=mdm", "model.attention=block_causal", "model.block_size=16",
                   "model.label_shift=true"),
     "pu-carry": ("train.objective=pu", "model.attention=bidirectional", "progressive.carry=true",
-                 "progressive.window=2"),
+                 "progressive.window=2", "progressive.activation_checkpointing=true"),
     "simplex": ("train.objective=simplex", "model.attention=bidirectional", "model.label_shift=true",
                 "simplex.timesteps=100"),
     "reward": ("train.objective=reward", "data.preference_pairs=true"),
@@ -101,7 +101,7 @@ def test_lora_trains_only_adapters_and_dlm_modules_on_every_objective(base, tmp_
     _same_forward(model.eval(), back, model.spec, len(trainer.tok))
 
 
-def test_lora_lowers_the_masked_loss_and_exports_merged(base, tmp_path):
+def test_lora_lowers_the_masked_loss_and_exports_merged(base, tmp_path, capsys):
     from dlm.cli import main
     from dlm.sampling import load_for_inference
 
@@ -114,6 +114,8 @@ def test_lora_lowers_the_masked_loss_and_exports_merged(base, tmp_path):
     adapted_loss, base_loss = sum(losses(run)[-8:]) / 8, sum(losses(control)[-8:]) / 8
     assert adapted_loss < 0.7 * base_loss, (adapted_loss, base_loss)
 
+    main(["generate", str(run), "--prompt", "Mia has 3 apples.", "--max-new-tokens", "8"])  # base + adapter
+    assert "NFE" in capsys.readouterr().out
     main(["export", str(run), str(tmp_path / "merged"), "--merge"])
     merged, tok = load_for_inference(tmp_path / "merged")
     adapted = load_model(run)
@@ -264,3 +266,24 @@ def test_errors_name_the_problem(base, tmp_path):
         load_model(tmp_path / "adapter")
     with pytest.raises(DlmError, match="already exists"):
         export_module.export(tmp_path / "adapter", base, merge=True)
+
+
+def test_memory_benchmark_counts_each_mode(tmp_path):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import memory_modes
+
+    rows = {r["mode"]: r for r in memory_modes.main(["--preset", "nano", "--out", str(tmp_path / "m.json")])["rows"]}
+    for mode in ("full fp32", "full bf16 autocast"):  # fp32 masters either way: 4 + 4 + 8 (+4 EMA)
+        b = rows[mode]["bytes_per_param"]
+        assert (b["weights"], b["grads"], b["adamw"], b["ema"]) == (4, 4, 8, 4)
+    for mode, frozen in (("LoRA r16, fp32 base", 4), ("LoRA r16, bf16 base", 2)):
+        r = rows[mode]
+        share = r["trainable"] / r["parameters"]
+        assert 0 < share < 0.5
+        b = r["bytes_per_param"]
+        assert b["weights"] == pytest.approx(frozen * (1 - share) + 4 * share)
+        assert (b["grads"], b["adamw"], b["ema"]) == pytest.approx((4 * share, 8 * share, 4 * share), rel=1e-3)
+    assert (tmp_path / "m.md").read_text().count("| LoRA") == 2
