@@ -232,7 +232,7 @@ def test_grown_vocabulary_trains_the_embeddings_and_export_merges_them_streamed(
     assert not plain.config.is_causal  # the run's attention, not the base's
 
 
-def test_peft_loads_the_adapter_and_a_full_run_can_start_from_it(base, tmp_path):
+def test_peft_loads_the_adapter_and_runs_start_from_it(base, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -246,6 +246,13 @@ def test_peft_loads_the_adapter_and_a_full_run_can_start_from_it(base, tmp_path)
         assert not any(lora.is_adapter_weight(n) for n, _ in full.named_parameters())
         assert all(p.requires_grad for p in full.parameters())
         torch.testing.assert_close(full(ids), model(ids), atol=1e-5, rtol=0)
+        # a LoRA run from a LoRA run continues the same adapter over the same base (this run's dropout)
+        more = build(ModelSpec(lora=LoraSpec(r=4, alpha=8, dropout=0.0)), tmp_path / "adapter").eval()
+        assert more.spec.lora == model.spec.lora.model_copy(update={"dropout": 0.0})
+        assert isinstance(more.backbone.model.layers[0].self_attn.q_proj.lora_dropout["default"], torch.nn.Identity)
+        torch.testing.assert_close(more(ids), model(ids), atol=1e-6, rtol=0)
+    with pytest.raises(DlmError, match=r"r 4, alpha 8, on q_proj.*continues only with the same train.lora r"):
+        build(ModelSpec(lora=LoraSpec(r=8, alpha=8)), tmp_path / "adapter")
 
 
 def test_errors_name_the_problem(base, tmp_path):
@@ -266,6 +273,9 @@ def test_errors_name_the_problem(base, tmp_path):
         load_model(tmp_path / "adapter")
     with pytest.raises(DlmError, match="already exists"):
         export_module.export(tmp_path / "adapter", base, merge=True)
+    copy = export_module.export(base.parent, tmp_path / "copy", merge=True)  # a full model: nothing to merge
+    assert sorted(f.name for f in copy.iterdir()) == sorted(f.name for f in base.iterdir())
+    assert not list(tmp_path.glob(".copy.tmp-*"))
 
 
 def test_memory_benchmark_counts_each_mode(tmp_path):

@@ -79,7 +79,9 @@ def build(spec: ModelSpec, source: str | Path | None = None, *, arch: str = "lla
         model_dir = resolve_model_dir(source)
         saved = ModelSpec.load(model_dir) if ModelSpec.exists(model_dir) else None
         if saved is not None and saved.lora is not None:
-            backbone = lora.load_adapted(model_dir, saved.lora, lambda base: _load_base(base, dtype))
+            dropout = saved.lora.dropout if spec.lora is None else spec.lora.dropout  # continued: this run's
+            adapter = saved.lora.model_copy(update={"dropout": dropout})
+            backbone = lora.load_adapted(model_dir, adapter, lambda base: _load_base(base, dtype))
             if spec.lora is None:
                 lora.merge_in_place(backbone)
         else:
