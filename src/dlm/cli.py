@@ -15,6 +15,7 @@ EPILOG = """examples:
   dlm train recipes/tinymath/ar.yaml --resume     continue exactly from the newest checkpoint
   dlm generate runs/ar --prompt "Mia has 3 apples and buys 4 more. How many apples does she have?"
   dlm eval runs/ar --task tinymath --n 200
+  dlm export runs/mdm-lora runs/mdm-merged --merge  a LoRA run as a plain Hugging Face model
 """
 
 
@@ -160,6 +161,13 @@ def _cmd_demo(a):
     run_demo(a.out, minutes=a.minutes)
 
 
+def _cmd_export(a):
+    from dlm.modeling.export import export
+
+    out = export(a.model, a.out, merge=a.merge, max_shard_bytes=int(a.max_shard_gb * 2**30))
+    print(f"exported: {out}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dlm", description="dlm: train, sample and evaluate diffusion language models "
                                 "(masked / PUMBA, simplex / TESS 2) and their autoregressive baseline.",
@@ -268,6 +276,21 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--minutes", type=float, default=9.0,
                    help="training time budget, split over both stages in proportion to their updates (default: 9)")
     m.set_defaults(func=_cmd_demo)
+
+    x = sub.add_parser("export", help="write a trained model as a plain Hugging Face model (LoRA merged)",
+                       description="Export a run, model or checkpoint directory. A LoRA run's model/ holds only its "
+                       "adapter (peft's adapter_config.json + adapter_model.safetensors, dlm_modules.safetensors, "
+                       "config.json, dlm.json naming the base directory, tokenizer); with --merge it is written as a "
+                       "full model: config.json, safetensors shards (an index when more than one), tokenizer and "
+                       "dlm.json, W + (alpha/r)·B·A merged into every adapted weight, streamed one tensor at a time. "
+                       "It loads with dlm (generate, eval, init_from) and with AutoModelForCausalLM.from_pretrained. "
+                       "A full (non-LoRA) model, or a LoRA model without --merge, is copied as it is.",
+                       epilog="example: dlm export runs/mdm-lora runs/mdm-merged --merge")
+    x.add_argument("model", help="run directory, model directory or checkpoint directory")
+    x.add_argument("out", help="new directory to write (must not exist or be empty)")
+    x.add_argument("--merge", action="store_true", help="merge a LoRA adapter into its base's weights")
+    x.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors shard, GiB (default: 5)")
+    x.set_defaults(func=_cmd_export)
     return p
 
 

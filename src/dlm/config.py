@@ -10,7 +10,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from dlm.errors import DlmError
-from dlm.modeling.spec import ModelSpec
+from dlm.modeling.spec import LoraSpec, ModelSpec
 from dlm.sampling.options import SamplingSettings
 
 
@@ -71,6 +71,21 @@ class OptimConfig(_Strict):
     grad_clip: float | None = 1.0
 
 
+class LoraConfig(_Strict):
+    """LoRA (Hu et al. 2021): train rank-r adapters W + (alpha/r)·B·A on a frozen base (`model.init_from`), plus
+    dlm's own modules; null = full fine-tuning. See dlm.modeling.lora."""
+
+    r: int = Field(16, gt=0, description="adapter rank")
+    alpha: float = Field(32.0, gt=0, description="scale alpha: the update is (alpha/r)·B·A")
+    dropout: float = Field(0.05, ge=0, lt=1, description="dropout on the adapter's input")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear", description="leaf names of the adapted Linear layers, e.g. [q_proj, v_proj]; 'all-linear' = "
+        "every Linear of the decoder blocks (attention q/k/v/o and MLP gate/up/down; not the LM head)")
+    base_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="dtype of the frozen base weights (bfloat16 halves them; needs train.precision "
+        "bf16); trainable tensors stay float32")
+
+
 class TrainConfig(_Strict):
     objective: Literal["autoregressive", "mdm", "pu", "simplex", "reward"] = "autoregressive"
     steps: int = Field(1000, gt=0)
@@ -88,6 +103,14 @@ class TrainConfig(_Strict):
     max_nonfinite_updates: int = Field(5, gt=0, description="an update whose loss or gradient is NaN/inf is skipped "
                                        "(and counted); after this many in a row the run stops, keeping its last "
                                        "checkpoint")
+    lora: LoraConfig | None = Field(None, description="LoRA adapters instead of full fine-tuning (null = full)")
+
+    @model_validator(mode="after")
+    def _lora_precision(self):
+        if self.lora is not None and self.lora.base_dtype == "bfloat16" and self.precision != "bf16":
+            raise ValueError("lora.base_dtype bfloat16 runs the frozen base under bf16 autocast: set "
+                             "train.precision: bf16 (or lora.base_dtype: float32)")
+        return self
 
 
 class MaskedConfig(_Strict):
@@ -208,6 +231,13 @@ class Recipe(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _lora_needs_a_base(self):
+        if self.train.lora is not None and not self.model.init_from:
+            raise ValueError("train.lora adapts a saved model: set model.init_from to its directory (a local HF "
+                             "causal LM or a dlm run), or remove train.lora to train every weight")
+        return self
+
+    @model_validator(mode="after")
     def _block_recipes(self):
         m, p = self.model, self.progressive
         if m.attention != "block_causal":
@@ -313,4 +343,6 @@ def model_spec(recipe: Recipe, mask_token_id: int | None, eos_token_id: int | No
         s = recipe.simplex
         fields.update(simplex_k=s.simplex_value, simplex_timesteps=s.timesteps,
                       self_conditioning=s.self_condition_prob > 0)
+    if recipe.train.lora is not None:  # the base and its resolved layers are filled in by dlm.modeling.build
+        fields["lora"] = LoraSpec(**recipe.train.lora.model_dump(exclude={"base_dtype"}))
     return ModelSpec(**fields)

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from dlm.errors import DlmError, ModelNotFoundError
 
@@ -14,6 +14,21 @@ SPEC_FILE = "dlm.json"
 
 Family = Literal["autoregressive", "masked", "simplex", "reward"]
 Attention = Literal["causal", "bidirectional", "block_causal"]
+
+
+class LoraSpec(BaseModel):
+    """A LoRA adapter (Hu et al. 2021, W + (alpha/r)·B·A) over a frozen base that stays where it is on disk."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    r: int = Field(16, gt=0)
+    alpha: float = Field(32.0, gt=0)
+    dropout: float = Field(0.05, ge=0, lt=1)
+    # leaf names of the adapted Linear layers of the decoder blocks; "all-linear" = every one of them
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    base: str | None = None  # absolute path of the base model directory (set when the adapter is built)
+    # the vocabulary grew: input embedding and output head are trained in full and saved beside the adapter
+    embeddings: bool = False
 
 
 class ModelSpec(BaseModel):
@@ -36,6 +51,7 @@ class ModelSpec(BaseModel):
     # PUMBA Eq. 3.1: the model takes the previous step's last hidden state through a zero-initialised LayerNorm
     carry: bool = False
     carry_positions: Literal["all", "masked"] = "all"  # where the carry is added (see dlm.modeling.carry)
+    lora: LoraSpec | None = None  # an adapter over `lora.base` (dlm.modeling.lora); None = full weights here
 
     @model_validator(mode="after")
     def _consistent(self):

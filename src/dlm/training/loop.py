@@ -28,8 +28,9 @@ from dlm.config import Recipe, dump_recipe, model_spec
 from dlm.data.pipeline import BatchStream, build_tokenizer, encode_examples, load_splits
 from dlm.data.tokenizer import ensure_special_tokens, load_tokenizer
 from dlm.errors import DlmError
+from dlm.modeling import lora
 from dlm.modeling.backbone import DiffusionLM, count_parameters, resolve_model_dir
-from dlm.modeling.build import build
+from dlm.modeling.build import build, load_weights, save_model
 from dlm.training.ema import EMA
 from dlm.training.objectives import build_objective
 
@@ -48,10 +49,12 @@ def lr_lambda(step: int, warmup: int, total: int, schedule: str, min_ratio: floa
 
 def build_model(recipe: Recipe, tok) -> DiffusionLM:
     """The model a recipe trains: a fresh backbone from the preset, or `model.init_from` (any local HF checkpoint
-    or dlm run), with the extras its spec names (`dlm.modeling.build`)."""
-    cfg = recipe.model
+    or dlm run), with the extras its spec names (`dlm.modeling.build`); with `train.lora`, adapters over that base
+    (read at `train.lora.base_dtype`)."""
+    cfg, adapter = recipe.model, recipe.train.lora
     spec = model_spec(recipe, tok.mask_token_id, tok.eos_token_id, tok.pad_token_id)
-    return build(spec, cfg.init_from, arch=cfg.arch, preset=cfg.preset, vocab_size=len(tok),
+    dtype = torch.bfloat16 if adapter is not None and adapter.base_dtype == "bfloat16" else None
+    return build(spec, cfg.init_from, arch=cfg.arch, preset=cfg.preset, vocab_size=len(tok), dtype=dtype,
                  max_positions=cfg.max_length, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
 
 
@@ -89,9 +92,11 @@ class Trainer:
         set_seed(tc.seed)
         model = build_model(recipe, self.tok)
         self.n_params = count_parameters(model)
+        trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: adapters + dlm's modules
+        self.n_trainable = sum(p.numel() for p in trainable)
         oc = recipe.optim
-        decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-        no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+        decay = [p for p in trainable if p.ndim >= 2]
+        no_decay = [p for p in trainable if p.ndim < 2]
         optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": oc.weight_decay},
                                        {"params": no_decay, "weight_decay": 0.0}], lr=oc.lr, betas=oc.betas, eps=oc.eps)
         scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -238,7 +243,7 @@ class Trainer:
             model = self.unwrapped
             state = self.ema.weights_for(model) if self.ema else None
             tmp = directory.with_name(directory.name + ".tmp")
-            model.save_pretrained(tmp, state_dict=state)
+            save_model(model, tmp, state_dict=state)
             self.tok.save_pretrained(tmp)
             if directory.exists():
                 import shutil
@@ -268,7 +273,7 @@ class Trainer:
                 error = err
         if tmp is not None and not self._failed_anywhere(error) and main:  # every rank's files are in place
             try:
-                self.unwrapped.save_pretrained(tmp / "model")
+                save_model(self.unwrapped, tmp / "model")  # a LoRA run: its trainable tensors only
                 self.tok.save_pretrained(tmp / "model")
                 if os.environ.get(FAULT_ENV) == str(self.step):
                     os._exit(17)  # simulated crash mid-write (tests)
@@ -307,8 +312,6 @@ class Trainer:
         found = ckpt.latest(self.run_dir / "checkpoints")
         if found is None:
             return False
-        from safetensors.torch import load_file
-
         state = torch.load(found / "trainer.pt", weights_only=False)
         written_by = state.get("world_size") or len(list(found.glob("data_rank*.pt")))
         if written_by != self.acc.num_processes:  # each rank's data position and RNG belong to that world size
@@ -316,15 +319,7 @@ class Trainer:
                 f"{found}: written by {written_by} process(es), this run has {self.acc.num_processes}; resume with "
                 f"{written_by} (e.g. accelerate launch --num_processes {written_by} ...), or start a new run from "
                 f"its weights: --set model.init_from={found / 'model'} with another out_dir")
-        weights = {}
-        for f in sorted((found / "model").glob("*.safetensors")):
-            weights.update(load_file(f))
-        model = self.unwrapped
-        missing = model.backbone.load_state_dict(weights, strict=False)
-        if missing.unexpected_keys or [k for k in missing.missing_keys if "lm_head" not in k]:
-            raise RuntimeError(f"{found}: checkpoint does not match the model: {missing}")
-        if model.backbone.config.tie_word_embeddings:
-            model.backbone.tie_weights()
+        load_weights(self.unwrapped, found / "model")
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
@@ -346,8 +341,10 @@ def train(recipe: Recipe, resume: bool = False, progress: bool = True) -> Path:
     """Train `recipe`; with `resume`, continue exactly from the newest complete checkpoint. Returns the run dir."""
     trainer = Trainer(recipe, resume=resume, progress=progress)
     if trainer.acc.is_main_process:
-        print(f"model: {trainer.n_params / 1e6:.2f} M parameters | vocab {len(trainer.tok)} | "
-              f"{len(trainer.stream.examples)} training examples | run dir {trainer.run_dir}")
+        print(f"model: {trainer.n_params / 1e6:.2f} M parameters ({trainer.n_trainable / 1e6:.3g} M trainable) | "
+              f"vocab {len(trainer.tok)} | {len(trainer.stream.examples)} examples | run dir {trainer.run_dir}")
+        if trainer.unwrapped.spec.lora is not None:
+            print(lora.describe(trainer.unwrapped.spec.lora))
     run_dir = trainer.fit()
     if trainer.acc.is_main_process:
         from dlm.evaluation.plots import plot_training_curve
