@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 
 from dlm.config import RecipeError
 from dlm.errors import DlmError, ModelNotFoundError
+from dlm.modeling import convert as convert_module
 from dlm.modeling import export as export_module
 from dlm.modeling import lora
 from dlm.modeling.build import EXTRAS, build, load_model, save_model
@@ -186,7 +187,7 @@ def test_grown_vocabulary_trains_the_embeddings_and_export_merges_them_streamed(
 
     # spy: how many base tensors are alive at once while the merge streams them
     alive, peak, opened = set(), [0], []
-    real = export_module.safe_open
+    real = convert_module.safe_open
 
     class Spy:
         def __init__(self, *a, **k):
@@ -210,7 +211,7 @@ def test_grown_vocabulary_trains_the_embeddings_and_export_merges_them_streamed(
             peak[0] = max(peak[0], len(alive))
             return t
 
-    monkeypatch.setattr(export_module, "safe_open", Spy)
+    monkeypatch.setattr(convert_module, "safe_open", Spy)
     limit = 8 * 1024  # bytes: forces several shards on the nano model
     out = export_module.export(tmp_path / "adapter", tmp_path / "merged", merge=True, max_shard_bytes=limit)
     assert len(opened) > 15 and peak[0] <= 4  # one tensor at a time + the pending shard's, never the model

@@ -162,9 +162,10 @@ def _cmd_demo(a):
 
 
 def _cmd_export(a):
+    from dlm.modeling.convert import parse_size
     from dlm.modeling.export import export
 
-    out = export(a.model, a.out, merge=a.merge, max_shard_bytes=int(a.max_shard_gb * 2**30))
+    out = export(a.model, a.out, merge=a.merge, max_shard_bytes=parse_size(a.shard_size))
     print(f"exported: {out}")
 
 
@@ -264,7 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("dst", help="the new model directory (must not exist)")
     c.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="cast the weights (default: keep the checkpoint's dtype, e.g. bf16 stays bf16)")
-    c.add_argument("--shard-size", default="2GB", help="largest safetensors shard, e.g. 2GB, 500MB (default: 2GB); "
+    c.add_argument("--shard-size", default="5GB", help="largest safetensors shard, e.g. 5GB, 500MB (default: 5GB); "
                    "an index is written when there is more than one")
     c.set_defaults(func=_cmd_convert)
 
@@ -282,14 +283,15 @@ def build_parser() -> argparse.ArgumentParser:
                        "adapter (peft's adapter_config.json + adapter_model.safetensors, dlm_modules.safetensors, "
                        "config.json, dlm.json naming the base directory, tokenizer); with --merge it is written as a "
                        "full model: config.json, safetensors shards (an index when more than one), tokenizer and "
-                       "dlm.json, W + (alpha/r)·B·A merged into every adapted weight, streamed one tensor at a time. "
+                       "dlm.json, W + (alpha/r)·B·A merged into every adapted weight, streamed one tensor at a time "
+                       "(a LLaDA / Dream base is renamed on the way). "
                        "It loads with dlm (generate, eval, init_from) and with AutoModelForCausalLM.from_pretrained. "
                        "A full (non-LoRA) model, or a LoRA model without --merge, is copied as it is.",
                        epilog="example: dlm export runs/mdm-lora runs/mdm-merged --merge")
     x.add_argument("model", help="run directory, model directory or checkpoint directory")
     x.add_argument("out", help="new directory to write (must not exist or be empty)")
     x.add_argument("--merge", action="store_true", help="merge a LoRA adapter into its base's weights")
-    x.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors shard, GiB (default: 5)")
+    x.add_argument("--shard-size", default="5GB", help="largest safetensors shard, e.g. 5GB, 500MB (default: 5GB)")
     x.set_defaults(func=_cmd_export)
     return p
 

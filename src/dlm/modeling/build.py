@@ -30,6 +30,7 @@ from dlm.errors import DlmError, ModelNotFoundError
 from dlm.modeling import lora
 from dlm.modeling.backbone import DiffusionLM, build_backbone, load_backbone, resolve_model_dir
 from dlm.modeling.carry import CARRY_MODULE, carry_norm_for
+from dlm.modeling.convert import foreign_spec
 from dlm.modeling.reward import REWARD_HEAD, reward_head_for
 from dlm.modeling.simplex import TIMESTEP_EMBEDDING, timestep_embedding_for
 from dlm.modeling.spec import LoraSpec, ModelSpec
@@ -132,10 +133,11 @@ def _adapter(backbone: PreTrainedModel, wanted: LoraSpec, model_dir: Path | None
 
 
 def load_model(path: str | Path, dtype: torch.dtype | None = None) -> DiffusionLM:
-    """A saved model for inference: a dlm model, run or checkpoint directory (its dlm.json), or a plain HF causal LM
-    (loaded as an autoregressive model). `dtype` is the precision of the whole model, dlm's extras included."""
+    """A saved model for inference: a dlm model, run or checkpoint directory (its dlm.json), a LLaDA / Dream
+    directory (a masked model, `dlm.modeling.convert`) or a plain HF causal LM (an autoregressive model). `dtype` is
+    the precision of the whole model, dlm's extras included."""
     model_dir = resolve_model_dir(path)
-    spec = ModelSpec.load(model_dir) if ModelSpec.exists(model_dir) else ModelSpec()
+    spec = ModelSpec.load(model_dir) if ModelSpec.exists(model_dir) else (foreign_spec(model_dir) or ModelSpec())
     model = build(spec, model_dir, dtype=dtype)
     if dtype is not None:
         cast_model(model, dtype)

@@ -13,6 +13,7 @@ import json
 import re
 import shutil
 import tempfile
+from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,16 +21,15 @@ from pathlib import Path
 import torch
 from accelerate import init_empty_weights
 from safetensors import safe_open
-from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
 
 from dlm.errors import DlmError, ModelNotFoundError
 from dlm.modeling.formats import FORMATS, Format, supported
+from dlm.modeling.shards import DEFAULT_SHARD_BYTES, ShardWriter
 from dlm.modeling.spec import ModelSpec
 
-DEFAULT_SHARD_SIZE = 2 * 1024**3
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                    "added_tokens.json", "tokenizer.model", "chat_template.jinja", "chat_template.json")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf")
@@ -144,18 +144,28 @@ def foreign_spec(model_dir: str | Path) -> ModelSpec | None:
     return None if fmt is None else _spec(fmt, config)
 
 
+def stream_tensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """The weights of a checkpoint directory under their Hugging Face names, one tensor at a time: a foreign format
+    renamed as `convert` would write it, an HF directory's safetensors as they are."""
+    model_dir = Path(model_dir)
+    if is_foreign(model_dir):
+        yield from _read(plan(model_dir).tensors)
+        return
+    for file in _weight_files(model_dir):
+        with safe_open(str(file), framework="pt") as st:
+            for name in st.keys():
+                yield name, st.get_tensor(name)
+
+
 def load_foreign(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     """The HF backbone of a foreign checkpoint, built in memory: a meta-device skeleton whose parameters are assigned
     one source tensor at a time (peak memory: the model plus one tensor)."""
     p = plan(model_dir)
     p.hf_config.dtype = dtype
     model = _skeleton(p.hf_config)
-    with ExitStack() as stack:
-        files = {f: stack.enter_context(safe_open(str(f), framework="pt")) for f in {t.file for t in p.tensors}}
-        for t in p.tensors:
-            tensor = files[t.file].get_tensor(t.name)
-            model.load_state_dict({t.target: tensor.to(dtype)}, strict=False, assign=True)
-            del tensor
+    for target, tensor in _read(p.tensors, dtype):
+        model.load_state_dict({target: tensor}, strict=False, assign=True)
+        del tensor
     if p.hf_config.tie_word_embeddings:
         model.tie_weights()
     left = [n for n, w in [*model.named_parameters(), *model.named_buffers()] if w.device.type == "meta"]
@@ -166,7 +176,7 @@ def load_foreign(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> P
 
 
 def convert(src: str | Path, dst: str | Path, *, dtype: torch.dtype | str | None = None,
-            shard_size: int = DEFAULT_SHARD_SIZE) -> list[str]:
+            shard_size: int = DEFAULT_SHARD_BYTES) -> list[str]:
     """Write the foreign checkpoint `src` as a plain HF model + tokenizer + dlm.json in `dst` (atomically: into a
     temporary folder, renamed at the end). Tensors keep their dtype unless `dtype` is given; shards hold at most
     `shard_size` bytes (one tensor larger than that gets a shard of its own). Returns summary lines."""
@@ -176,11 +186,14 @@ def convert(src: str | Path, dst: str | Path, *, dtype: torch.dtype | str | None
         raise DlmError(f"{dst}: already exists; remove it or choose another destination")
     p = plan(src)
     spec = _spec(p.fmt, p.config)
-    shards = _shard(p.tensors, dtype, shard_size)
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f"{dst.name}.tmp-", dir=dst.parent))
     try:
-        names = _write_shards(shards, tmp, dtype)
+        shards = ShardWriter(tmp, shard_size)
+        for target, tensor in _read(p.tensors, dtype):
+            shards.add(target, tensor)
+            del tensor
+        names = shards.close()
         p.hf_config.dtype = dtype or p.hf_config.dtype
         p.hf_config.save_pretrained(tmp)
         mask = write_tokenizer(src, tmp, p.fmt, spec)
@@ -303,37 +316,15 @@ def _expected_tensors(hf_config: PretrainedConfig) -> dict[str, tuple[int, ...]]
     return {n: tuple(w.shape) for n, w in model.named_parameters() if n not in tied}
 
 
-def _shard(tensors: list[Tensor], dtype: torch.dtype | None, limit: int) -> list[list[Tensor]]:
-    shards: list[list[Tensor]] = [[]]
-    size = 0
-    for t in tensors:
-        if shards[-1] and size + t.nbytes(dtype) > limit:
-            shards.append([])
-            size = 0
-        shards[-1].append(t)
-        size += t.nbytes(dtype)
-    return shards
-
-
-def _write_shards(shards: list[list[Tensor]], out: Path, dtype: torch.dtype | None) -> list[str]:
-    """Each shard read, renamed, cast and written before the next is read; an index when there is more than one."""
-    n = len(shards)
-    names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+def _read(tensors: list[Tensor], dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(target name, tensor) for each planned source tensor, read one at a time (cast to `dtype` when given)."""
     with ExitStack() as stack:
-        files = {f: stack.enter_context(safe_open(str(f), framework="pt")) for f in {t.file for s in shards for t in s}}
-        for name, shard in zip(names, shards):
-            tensors = {}
-            for t in shard:
-                tensor = files[t.file].get_tensor(t.name)
-                tensors[t.target] = tensor.to(dtype) if dtype is not None else tensor
-                del tensor
-            save_file(tensors, str(out / name), metadata={"format": "pt"})
-            del tensors
-    if n > 1:
-        index = {"metadata": {"total_size": sum(t.nbytes(dtype) for s in shards for t in s)},
-                 "weight_map": {t.target: name for name, s in zip(names, shards) for t in s}}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    return names
+        opened = dict.fromkeys(t.file for t in tensors)
+        files = {f: stack.enter_context(safe_open(str(f), framework="pt")) for f in opened}
+        for t in tensors:
+            tensor = files[t.file].get_tensor(t.name)
+            yield t.target, tensor.to(dtype) if dtype is not None else tensor
+            del tensor
 
 
 def _copy_other_files(src: Path, dst: Path) -> list[str]:

@@ -11,17 +11,16 @@ import tempfile
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from dlm.errors import DlmError
 from dlm.modeling import lora
 from dlm.modeling.backbone import resolve_model_dir
 from dlm.modeling.build import EXTRAS
+from dlm.modeling.convert import stream_tensors
+from dlm.modeling.shards import DEFAULT_SHARD_BYTES, ShardWriter
 from dlm.modeling.spec import SPEC_FILE, ModelSpec
 
-DEFAULT_SHARD_BYTES = 5 * 2**30
-INDEX_FILE = "model.safetensors.index.json"
 ADAPTER_FILES = {lora.ADAPTER_CONFIG, lora.ADAPTER_WEIGHTS, lora.MODULES_WEIGHTS}
 
 
@@ -57,34 +56,26 @@ def merge_adapter(model_dir: Path, spec: ModelSpec, out: Path, max_shard_bytes: 
     the tensors the run trained in full (dlm's extras, grown embeddings) in place of the base's."""
     adapter = spec.lora
     base = lora.base_dir(model_dir, adapter)
-    files = sorted(base.glob("*.safetensors"))
-    if not files:
-        raise DlmError(f"{base}: the LoRA base holds no *.safetensors; save it with save_pretrained (safetensors) "
-                       "and rerun")
     pairs = _adapter_pairs(model_dir / lora.ADAPTER_WEIGHTS)
     trained = load_file(model_dir / lora.MODULES_WEIGHTS) if (model_dir / lora.MODULES_WEIGHTS).is_file() else {}
     config = json.loads((model_dir / "config.json").read_text())
     skip = {e.name for e in EXTRAS}  # the base's own dlm modules: the run's (in `trained`) belong to this model
     stale_head = "lm_head.weight" if adapter.embeddings and config.get("tie_word_embeddings") else None
     scale = adapter.alpha / adapter.r
-    shards, merged = _Shards(out, max_shard_bytes), set()
-    for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():
-                if key in trained or key.split(".", 1)[0] in skip or key == stale_head:
-                    continue
-                tensor = f.get_tensor(key)
-                if key in pairs:
-                    a, b = pairs[key]
-                    tensor = (tensor.float() + scale * (b.float() @ a.float())).to(tensor.dtype)  # W + (alpha/r)·B·A
-                    merged.add(key)
-                shards.add(key, tensor)
-                del tensor
+    shards, merged = ShardWriter(out, max_shard_bytes), set()
+    for key, tensor in stream_tensors(base):  # a LLaDA / Dream base is renamed on the fly
+        if key in trained or key.split(".", 1)[0] in skip or key == stale_head:
+            continue
+        if key in pairs:
+            a, b = pairs[key]
+            tensor = (tensor.float() + scale * (b.float() @ a.float())).to(tensor.dtype)  # W + (alpha/r)·B·A
+            merged.add(key)
+        shards.add(key, tensor)
+        del tensor
     unmatched = sorted(set(pairs) - merged)
     if unmatched:
         raise DlmError(f"{base}: no tensor {unmatched[0]} for the adapter of {model_dir} (and {len(unmatched) - 1} "
-                       "more); the base stores its weights under other names: convert it to a Hugging Face "
-                       "checkpoint, point lora.base in dlm.json at it, and export again")
+                       "more); is lora.base in dlm.json the model this adapter was trained on?")
     for key, tensor in trained.items():
         shards.add(key, tensor)
     shards.close()
@@ -104,42 +95,3 @@ def _adapter_pairs(path: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
             module = key.removeprefix(lora.PEFT_PREFIX).split(".lora_A.")[0]
             pairs[module + ".weight"] = (a, tensors[key.replace(".lora_A.", ".lora_B.")])
     return pairs
-
-
-class _Shards:
-    """Safetensors shards of at most `max_bytes` (a larger tensor gets a shard of its own), written as they fill;
-    then named as transformers expects, with an index when there is more than one."""
-
-    def __init__(self, directory: Path, max_bytes: int):
-        self.directory, self.max_bytes = directory, max_bytes
-        self.pending: dict[str, torch.Tensor] = {}
-        self.size = self.total = 0
-        self.files: list[list[str]] = []  # the keys of each written shard
-
-    def add(self, key: str, tensor: torch.Tensor) -> None:
-        n = tensor.numel() * tensor.element_size()
-        if self.pending and self.size + n > self.max_bytes:
-            self._flush()
-        self.pending[key] = tensor.contiguous()
-        self.size += n
-
-    def _flush(self) -> None:
-        save_file(self.pending, self.directory / f"part-{len(self.files)}.safetensors", metadata={"format": "pt"})
-        self.files.append(list(self.pending))
-        self.total += self.size
-        self.pending, self.size = {}, 0
-
-    def close(self) -> None:
-        if self.pending:
-            self._flush()
-        n = len(self.files)
-        if n == 1:
-            os.rename(self.directory / "part-0.safetensors", self.directory / "model.safetensors")
-            return
-        weight_map = {}
-        for i, keys in enumerate(self.files):
-            name = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-            os.rename(self.directory / f"part-{i}.safetensors", self.directory / name)
-            weight_map.update(dict.fromkeys(keys, name))
-        index = {"metadata": {"total_size": self.total}, "weight_map": weight_map}
-        (self.directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")

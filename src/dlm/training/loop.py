@@ -24,13 +24,15 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 from dlm import checkpoint as ckpt
-from dlm.config import Recipe, dump_recipe, model_spec
+from dlm.config import Recipe, RecipeError, dump_recipe, model_spec
 from dlm.data.pipeline import BatchStream, build_tokenizer, encode_examples, load_splits
 from dlm.data.tokenizer import ensure_special_tokens, load_tokenizer
 from dlm.errors import DlmError
 from dlm.modeling import lora
 from dlm.modeling.backbone import DiffusionLM, count_parameters, resolve_model_dir
 from dlm.modeling.build import build, load_weights, save_model
+from dlm.modeling.convert import foreign_spec
+from dlm.modeling.spec import ModelSpec
 from dlm.training.ema import EMA
 from dlm.training.objectives import build_objective
 
@@ -53,9 +55,22 @@ def build_model(recipe: Recipe, tok) -> DiffusionLM:
     (read at `train.lora.base_dtype`)."""
     cfg, adapter = recipe.model, recipe.train.lora
     spec = model_spec(recipe, tok.mask_token_id, tok.eos_token_id, tok.pad_token_id)
+    released = _diffusion_spec(cfg.init_from) if cfg.init_from else None
+    if released is not None and released.label_shift != cfg.label_shift:  # e.g. Dream reads token i at output i-1
+        raise RecipeError(f"model.label_shift: {str(cfg.label_shift).lower()}, but {cfg.init_from} was trained with "
+                          f"label shift {'on' if released.label_shift else 'off'}: set model.label_shift: "
+                          f"{str(released.label_shift).lower()}")
     dtype = torch.bfloat16 if adapter is not None and adapter.base_dtype == "bfloat16" else None
     return build(spec, cfg.init_from, arch=cfg.arch, preset=cfg.preset, vocab_size=len(tok), dtype=dtype,
                  max_positions=cfg.max_length, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+
+
+def _diffusion_spec(source: str) -> ModelSpec | None:
+    """The spec of a diffusion model to start from (a dlm masked/simplex model, or a LLaDA / Dream release): its
+    label shift is a property of its weights that the recipe must repeat. None for AR models and HF checkpoints."""
+    model_dir = resolve_model_dir(source)
+    spec = ModelSpec.load(model_dir) if ModelSpec.exists(model_dir) else foreign_spec(model_dir)
+    return spec if spec is not None and spec.family in ("masked", "simplex") else None
 
 
 def resolve_tokenizer(recipe: Recipe, train_records, run_dir: Path):
