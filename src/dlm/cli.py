@@ -15,6 +15,7 @@ EPILOG = """examples:
   dlm train recipes/tinymath/ar.yaml --resume     continue exactly from the newest checkpoint
   dlm generate runs/ar --prompt "Mia has 3 apples and buys 4 more. How many apples does she have?"
   dlm eval runs/ar --task tinymath --n 200
+  dlm convert ~/models/LLaDA-8B-Instruct ~/models/llada-hf   a LLaDA / Dream release as a plain HF + dlm model
   dlm export runs/mdm-lora runs/mdm-merged --merge  a LoRA run as a plain Hugging Face model
 """
 

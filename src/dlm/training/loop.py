@@ -356,7 +356,9 @@ def train(recipe: Recipe, resume: bool = False, progress: bool = True) -> Path:
     """Train `recipe`; with `resume`, continue exactly from the newest complete checkpoint. Returns the run dir."""
     trainer = Trainer(recipe, resume=resume, progress=progress)
     if trainer.acc.is_main_process:
-        print(f"model: {trainer.n_params / 1e6:.2f} M parameters ({trainer.n_trainable / 1e6:.3g} M trainable) | "
+        share = "" if trainer.n_trainable == trainer.n_params else \
+            f" ({trainer.n_trainable / 1e6:.3g} M trainable, {100 * trainer.n_trainable / trainer.n_params:.2g} %)"
+        print(f"model: {trainer.n_params / 1e6:.3g} M parameters{share} | "
               f"vocab {len(trainer.tok)} | {len(trainer.stream.examples)} examples | run dir {trainer.run_dir}")
         if trainer.unwrapped.spec.lora is not None:
             print(lora.describe(trainer.unwrapped.spec.lora))
