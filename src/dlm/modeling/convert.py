@@ -99,8 +99,10 @@ def plan(model_dir: str | Path) -> Plan:
     config = read_config(model_dir)
     fmt = FORMATS.get(config.get("model_type"))
     if fmt is None:
+        native = config.get("model_type") in CONFIG_MAPPING
         raise DlmError(f"{model_dir / 'config.json'}: model_type {config.get('model_type')!r} is not a format dlm "
-                       f"converts; supported: {supported()}")
+                       f"converts; supported: {supported()}" + ("; it is a Hugging Face architecture already: use the "
+                       "directory as it is (model.init_from, dlm generate)" if native else ""))
     tensors, by_target = [], {}
     for file in _weight_files(model_dir):
         with safe_open(str(file), framework="pt") as st:
