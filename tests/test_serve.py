@@ -145,6 +145,22 @@ def test_a_trace_list_sees_every_step_as_it_happens(dirs, name):
     assert all(torch.equal(s[key], r[key]) for (_, s), r in zip(seen, ref.trace))
 
 
+def test_streamed_text_holds_back_what_could_still_change(tiny_tokenizer):
+    from dlm.serve.stream import ChoiceText
+
+    tok = tiny_tokenizer
+    ids = tok("Mia has apples", add_special_tokens=False)["input_ids"]
+    text = ChoiceText(tok.decode, ["s app"], 100)
+    sent = [text.update(ids[:k], final=False) for k in range(1, len(ids) + 1)] + [text.update(ids, final=True)]
+    assert "".join(sent) == "Mia ha" and all("s" not in piece for piece in sent)  # "s" could begin the stop string
+    cafe = tok("café", add_special_tokens=False)["input_ids"]
+    assert tok.decode(cafe[:-1]).endswith("\ufffd")  # é is two byte-level tokens
+    text = ChoiceText(tok.decode, [], 100)
+    assert [text.update(cafe[:-1], final=False), text.update(cafe, final=False)] == ["caf", "é"]
+    capped = ChoiceText(tok.decode, [], 2)
+    assert capped.text(ids) == (tok.decode(ids[:2]), False)
+
+
 # ---- answers ----------------------------------------------------------------------------------------------------
 def test_models_health_and_page(servers, dirs):
     status, body = get(servers["block"], "/v1/models")

@@ -55,6 +55,10 @@ def create_app(engine: Engine) -> FastAPI:
         return JSONResponse(ApiError(err.status_code, f"{request.method} {request.url.path}: {err.detail}",
                                      None, code).body(), status_code=err.status_code)
 
+    @app.exception_handler(Exception)
+    async def _bug(request, err: Exception):  # logged with its traceback by the server; the client gets JSON
+        return JSONResponse(_as_api_error(err).body(), status_code=500)
+
     @app.get("/")
     async def page():
         return FileResponse(STATIC / "index.html")
@@ -77,13 +81,13 @@ def create_app(engine: Engine) -> FastAPI:
         if state["active"] >= limits.max_concurrent:
             raise ApiError(429, f"the server is busy ({limits.max_concurrent} requests under way, dlm serve "
                            "--max-concurrent); retry shortly", None, "rate_limit_exceeded", "rate_limit_error")
-        body = await _read_json(request, limits.max_body_bytes)
-        job = await run_in_threadpool(engine.prepare, protocol.parse(kind, body))
-        job.loop = asyncio.get_running_loop()
-        state["active"] += 1
+        state["active"] += 1  # the slot is held from here, so that concurrent arrivals cannot overshoot
         release = _once(lambda: state.__setitem__("active", state["active"] - 1))
-        chat = kind is ChatRequest
         try:
+            body = await _read_json(request, limits.max_body_bytes)
+            job = await run_in_threadpool(engine.prepare, protocol.parse(kind, body))
+            job.loop = asyncio.get_running_loop()
+            chat = kind is ChatRequest
             batcher.submit(job)
             if job.stream:
                 stream = _Stream(_events(job, chat, engine, limits.timeout_s, state), release,

@@ -35,7 +35,8 @@ class Batcher:
         self.model, self.tok = model, tok
         self.max_batch_size, self.window_s = max_batch_size, window_s
         self.pending: list[Job] = []
-        self.running = 0  # rows in the batch being decoded
+        self.current: list[Job] = []  # the batch being decoded
+        self.running = 0  # its rows
         self.stats = {"batches": 0, "rows": 0, "largest_batch": 0, "abandoned": 0, "failed": 0}
         self._wake = asyncio.Event()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dlm-decode")
@@ -45,6 +46,9 @@ class Batcher:
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
+        """Stop collecting; the batch under way stops at its next step (nobody waits for it any more)."""
+        for job in self.current + self.pending:
+            job.cancelled = True
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -63,11 +67,11 @@ class Batcher:
             if not self.pending:
                 self._wake.clear()
             if batch:
-                self.running = sum(len(j.rows) for j in batch)
+                self.current, self.running = batch, sum(len(j.rows) for j in batch)
                 try:
                     await loop.run_in_executor(self._pool, self._decode, batch)
                 finally:
-                    self.running = 0
+                    self.current, self.running = [], 0
 
     def _take(self) -> list[Job]:
         """The next batch: the oldest live job and the later ones with its key, up to max_batch_size rows."""

@@ -5,6 +5,7 @@ the server's flags), all before anything is queued, so that every bad request is
 from __future__ import annotations
 
 import random
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
@@ -16,7 +17,7 @@ from dlm.errors import DlmError, OptionsError
 from dlm.sampling import load_for_inference, resolve_options
 from dlm.sampling.options import OWNER, ignored, option_name, options_class
 from dlm.serve.protocol import ApiError, ChatRequest, CompletionRequest
-from dlm.serve.stream import ChoiceText, Job, Pieces
+from dlm.serve.stream import ChoiceText, Job, Pieces, serialized
 
 SERVER_ONLY = ("reward_model",)  # options a client may not set: a path on the server's disk
 
@@ -69,7 +70,9 @@ class Engine:
         self.defaults = base
         self.default_max_tokens = limits.default_max_tokens or (recipe.eval.max_new_tokens if recipe else 64)
         self.default_temperature = recipe.eval.temperature if recipe else 0.0
-        self.pieces = Pieces(self.tok)
+        self.lock = threading.Lock()  # one tokenizer call at a time (request threads and the decoding thread)
+        self.decode = serialized(self.tok.decode, self.lock)
+        self.pieces = Pieces(self.decode, self.tok.all_special_ids)
         self._types = {k: TypeAdapter(Annotated[(f.annotation, *f.metadata)] if f.metadata else f.annotation)
                        for k, f in options_class(self.family).model_fields.items()}  # each option, checked strictly
 
@@ -109,7 +112,7 @@ class Engine:
         if block is None and self.spec.attention == "block_causal":
             block = self.spec.block_size
         return Job(rows=rows, options=options, max_tokens=max_tokens, temperature=temperature, seed=seed, key=key,
-                   texts=[ChoiceText(self.tok, request.stops, max_tokens) for _ in rows], stream=request.stream,
+                   texts=[ChoiceText(self.decode, request.stops, max_tokens) for _ in rows], stream=request.stream,
                    steps=request.dlm_steps, family=self.family, mask_id=self.spec.mask_token_id,
                    eos_id=self.tok.eos_token_id, block_size=block, pieces=self.pieces)
 
@@ -146,15 +149,17 @@ class Engine:
 
     def _chat_ids(self, request: ChatRequest) -> list[int]:
         messages = [{"role": m.role, "content": m.text()} for m in request.messages]
-        try:
-            text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception as err:  # the template's own checks (e.g. roles must alternate)
-            raise ApiError(400, f"the model's chat template refused these messages: {err}", "messages") from None
-        return self.tok(text, add_special_tokens=False)["input_ids"]
+        with self.lock:
+            try:
+                text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            except Exception as err:  # the template's own checks (e.g. roles must alternate)
+                raise ApiError(400, f"the model's chat template refused these messages: {err}", "messages") from None
+            return self.tok(text, add_special_tokens=False)["input_ids"]
 
     def _prompt_ids(self, prompt) -> list[int]:
         if isinstance(prompt, str):
-            return self.tok(prompt, add_special_tokens=False)["input_ids"]
+            with self.lock:
+                return self.tok(prompt, add_special_tokens=False)["input_ids"]
         vocab = self.model.backbone.get_input_embeddings().weight.shape[0]
         bad = next((t for t in prompt if not 0 <= t < vocab), None)
         if bad is not None:

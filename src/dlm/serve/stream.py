@@ -9,6 +9,7 @@ it could still become the start of a stop string or ends in an incomplete UTF-8 
 from __future__ import annotations
 
 import asyncio
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -25,18 +26,28 @@ class StepFeed(list):
         self.on_step(step)
 
 
+def serialized(fn, lock: threading.Lock):
+    """`fn` called under `lock`: a HF fast tokenizer used from several threads at once can fail ("Already
+    borrowed"), and the server encodes in request threads while the decoding thread decodes."""
+
+    def call(*args, **kwargs):
+        with lock:
+            return fn(*args, **kwargs)
+    return call
+
+
 class ChoiceText:
     """One choice's text: its final form from token ids (cut at `max_tokens` and at the first stop string), and the
-    part of it that may be sent so far."""
+    part of it that may be sent so far. `decode` is the tokenizer's (serialized) decode."""
 
-    def __init__(self, tok, stops: list[str], max_tokens: int):
-        self.tok, self.stops, self.max_tokens = tok, stops, max_tokens
+    def __init__(self, decode, stops: list[str], max_tokens: int):
+        self.decode, self.stops, self.max_tokens = decode, stops, max_tokens
         self.sent = ""
         self.stopped = False
 
     def text(self, tokens: list[int]) -> tuple[str, bool]:
         """(text, stopped): the decoded `tokens` cut at the first stop string."""
-        text = self.tok.decode(tokens[: self.max_tokens], skip_special_tokens=True)
+        text = self.decode(tokens[: self.max_tokens], skip_special_tokens=True)
         cuts = [i for i in (text.find(s) for s in self.stops) if i >= 0]
         return (text[: min(cuts)], True) if cuts else (text, False)
 
@@ -61,15 +72,14 @@ class ChoiceText:
 class Pieces:
     """Display text of single token ids, cached; special tokens (mask, EOS, padding) show as ""."""
 
-    def __init__(self, tok):
-        self.tok, self.cache = tok, {}
-        self.special = set(tok.all_special_ids)
+    def __init__(self, decode, special_ids):
+        self.decode, self.cache, self.special = decode, {}, set(special_ids)
 
     def __call__(self, ids: list[int]) -> list[str]:
         out = []
         for t in ids:
             if t not in self.cache:
-                self.cache[t] = "" if t in self.special else self.tok.decode([t])
+                self.cache[t] = "" if t in self.special else self.decode([t])
             out.append(self.cache[t])
         return out
 
