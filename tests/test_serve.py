@@ -208,27 +208,31 @@ def test_completions_continue_raw_text(servers, dirs, tiny_tokenizer):
 
 
 def test_masked_stream_commits_each_revealed_prefix_as_it_appears(servers, tiny_tokenizer):
-    """After each step event the text received is exactly the decoded longest revealed prefix (up to EOS)."""
-    tok, eos = tiny_tokenizer, tiny_tokenizer.eos_token_id
+    """Each step event is followed by exactly the text of that step's longest revealed prefix (up to EOS)."""
+    tok = tiny_tokenizer
+
+    def committed(step):  # the decoded revealed prefix of a step, up to its EOS (an incomplete character held back)
+        end = step["masked"].index(True) if True in step["masked"] else len(step["masked"])
+        end = min(end, step["eos"] if step["eos"] is not None else end)
+        return tok.decode(step["tokens"][:end], skip_special_tokens=True).rstrip("\ufffd")
+
     text, steps, early = "", [], False
     for chunk in chat(servers["masked"], "masked", stream=True, max_tokens=16, u=1, dlm_steps=True):
         if chunk.object != "dlm.denoise.step":
             text += "".join(c.delta.content or "" for c in chunk.choices)
             continue
         s = chunk.model_extra
-        if steps:  # a revealed token never changes or hides again
-            kept = [i for i, m in enumerate(steps[-1]["masked"]) if not m]
+        if steps:
+            assert text == committed(steps[-1])  # all of the previous step's prefix, nothing more
+            early = early or (bool(text) and True in s["masked"])
+            kept = [i for i, m in enumerate(steps[-1]["masked"]) if not m]  # revealed tokens never change or hide
             assert all(not s["masked"][i] and s["tokens"][i] == steps[-1]["tokens"][i] for i in kept)
         steps.append(s)
-        end = s["masked"].index(True) if True in s["masked"] else 16
-        end = min(end, s["eos"] if s["eos"] is not None else end)
-        assert text == tok.decode(s["tokens"][:end], skip_special_tokens=True).rstrip("\ufffd")
-        early = early or (bool(text) and True in s["masked"])
         assert len(s["new"]) == 1 and s["tokens"][s["new"][0]] != tok.mask_token_id  # u = 1
         assert len(s["tokens"]) == len(s["pieces"]) == len(s["confidence"]) == 16 and s["eos"] in (None, *range(16))
     assert len(steps) >= 8 and [s["step"] for s in steps] == list(range(1, len(steps) + 1))
     assert early  # text arrived while positions were still masked
-    assert eos not in steps[-1]["tokens"][: steps[-1]["eos"] or 0]
+    assert text.startswith(committed(steps[-1]))
 
 
 def test_block_stream_reveals_block_by_block(servers):

@@ -136,12 +136,12 @@ class Job:
                 before = self._reveal_conf.get(i, torch.zeros_like(conf[i]))
                 self._reveal_conf[i] = shown = torch.where(new[i], conf[i], before)
                 masked = [t == self.mask_id for t in ids]
-                if self.stream:
-                    self._commit(i, ids, masked)
             else:
                 shown, masked = conf[i], [False] * len(ids)
-            if self.steps:
+            if self.steps:  # the step, then the text it committed
                 self.post("step", self._event(i, ids, masked, shown, new[i] if new is not None else None, step))
+            if new is not None:
+                self._commit(i, ids, masked)
 
     def _commit(self, i: int, ids: list[int], masked: list[bool]) -> None:
         """Send the text of row i's longest revealed prefix (up to its first EOS)."""
