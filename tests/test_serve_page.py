@@ -1,7 +1,8 @@
 """The live page at / in headless Chromium (Debian's `chromium`, driven by the Playwright wheel; Playwright's own
 browser download is never used): it loads the served model, streams a prompt's denoising step by step (masked cells
 as placeholders until revealed, block boundaries, one drawn frame per step event) and ends with exactly the text the
-API returns for the same greedy request. DLM_UPDATE_SCREENSHOT=1 also writes docs/serve-page.png."""
+API returns for the same greedy request. With DLM_SERVE_PAGE_MODEL set to a trained masked run (e.g. the demo's
+runs/demo/mdm), the same checks run on it and docs/serve-page.png is written from it mid-denoising."""
 
 import os
 import shutil
@@ -17,6 +18,7 @@ from tests.test_serve import QUESTION, build_models, client, running  # noqa: E4
 
 CHROMIUM = shutil.which("chromium") or next((p for p in ("/usr/bin/chromium",) if Path(p).is_file()), None)
 SCREENSHOT = Path(__file__).resolve().parents[1] / "docs" / "serve-page.png"
+TRAINED = os.environ.get("DLM_SERVE_PAGE_MODEL")
 pytestmark = [pytest.mark.skipif(CHROMIUM is None, reason="no chromium to drive: apt-get install -y chromium (Debian)"),
               pytest.mark.usefixtures("one_thread")]
 
@@ -65,8 +67,7 @@ def test_page_streams_the_denoising_and_ends_with_the_api_answer(browser, dirs, 
             assert cells.count() == 24 and page.locator("#canvas .cell.block-start").count() == 5
             assert 0 < page.locator("#canvas .cell.masked").count() < 24
             page.screenshot(path=str(tmp_path / "page.png"), full_page=True)
-            if os.environ.get("DLM_UPDATE_SCREENSHOT"):
-                shutil.copyfile(tmp_path / "page.png", SCREENSHOT)
+            assert (tmp_path / "page.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         shown = finish(page)
         extra = {"inference_steps": 8} if name == "simplex" else None
         api = client(url).chat.completions.create(model=name, messages=[{"role": "user", "content": QUESTION}],
@@ -78,3 +79,23 @@ def test_page_streams_the_denoising_and_ends_with_the_api_answer(browser, dirs, 
         assert steps == (0 if name == "ar" else api.model_extra["nfe"][0]) and (name == "ar" or steps >= 3)
         if name == "simplex":
             assert page.text_content("#timestep") and page.locator("#canvas .cell.masked").count() == 0
+
+
+@pytest.mark.skipif(not TRAINED, reason="set DLM_SERVE_PAGE_MODEL to a trained masked run (e.g. runs/demo/mdm)")
+def test_page_on_a_trained_model_writes_the_docs_screenshot(browser):
+    question = "Ben has 10 peaches. Then Ben wins 3 peaches at a fair. After all this, how many peaches does Ben have?"
+    with running(Engine(TRAINED)) as url:
+        page, errors = open_page(browser, url)
+        page.fill("#prompt", question)
+        page.select_option("#policy", "top_u")
+        page.fill("#reveal_count", "2")
+        page.fill("#delay", "250")
+        page.click("#run")
+        page.wait_for_function("Number(document.getElementById('steps').textContent) >= 9")
+        page.screenshot(path=str(SCREENSHOT), full_page=True)
+        shown = finish(page)
+        name = client(url).models.list().data[0].id
+        api = client(url).chat.completions.create(model=name, messages=[{"role": "user", "content": question}],
+                                                  extra_body={"policy": "top_u", "u": 2})
+        assert shown["status"] == "done" and not errors and shown["text"] == api.choices[0].message.content
+        assert shown["steps"] == shown["nfe"] == str(api.model_extra["nfe"][0])
