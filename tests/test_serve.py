@@ -205,6 +205,11 @@ def test_completions_continue_raw_text(servers, dirs, tiny_tokenizer):
     ids = tok("Mia has", add_special_tokens=False)["input_ids"]
     by_ids = client(servers["masked"]).completions.create(model="masked", prompt=ids, max_tokens=8)
     assert by_ids.choices[0].text == r.choices[0].text
+    streamed = client(servers["masked"]).completions.create(model="masked", prompt=["Mia has", "two"], max_tokens=8,
+                                                            stream=True, n=2)
+    texts, _, last = read_stream(streamed)  # choice i * n + j: prompt i, sample j
+    assert texts == {0: r.choices[0].text, 1: r.choices[0].text, 2: r.choices[1].text, 3: r.choices[1].text}
+    assert last.usage.prompt_tokens == r.usage.prompt_tokens and last.object == "text_completion"
 
 
 def test_masked_stream_commits_each_revealed_prefix_as_it_appears(servers, tiny_tokenizer):
@@ -336,7 +341,7 @@ BAD = [  # (body, status, param the error names)
     ({"messages": [{"role": "user", "content": "hi"}], "kv_cache": 1}, 400, "kv_cache"),
     ({"messages": [{"role": "user", "content": "hi"}], "steps": 10}, 400, "steps"),
     ({"messages": [{"role": "user", "content": "hi"}], "u": 2, "reveal_count": 2}, 400, "reveal_count"),
-    ({"messages": [{"role": "user", "content": "hi"}], "cache": "prefix"}, 400, "cache"),
+    ({"messages": [{"role": "user", "content": "hi"}], "cache": "prefix"}, 400, "cache"),  # needs a block_size
     ({"messages": [{"role": "user", "content": "hi"}], "reward_model": "/etc"}, 400, "reward_model"),
     ({"messages": [{"role": "user", "content": "hi"}], "top_p": 0.5}, 400, "top_p"),
     ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, 400, "logprobs"),
@@ -355,6 +360,9 @@ def test_malformed_requests_get_one_error_each_and_the_server_keeps_serving(serv
                         ({"prompt": [10**6]}, "prompt"), ({"prompt": "hi", "echo": True}, "echo")]:
         got, reply = post(url, "/v1/completions", body)
         assert (got, reply["error"]["param"]) == (400, param), (body, reply)
+    got, reply = post(servers["block"], "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                                 "cache": "dual", "block_size": 4})
+    assert (got, reply["error"]["param"]) == (400, "cache") and "kv_cache" in reply["error"]["message"]
     assert get(url, "/v1/nothing")[0] == 404 and json.loads(get(url, "/v1/completions")[1])["error"]["code"] == (
         "method_not_allowed")
     assert "did you mean top_p" in post(url, "/v1/completions", {"prompt": "a", "top_pp": 1})[1]["error"]["message"]

@@ -19,6 +19,7 @@ from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
+from dlm.errors import DlmError
 from dlm.serve import protocol
 from dlm.serve.batching import Batcher
 from dlm.serve.engine import Engine
@@ -192,6 +193,8 @@ async def _result(job: Job, request: Request, timeout: float) -> list[dict]:
 def _as_api_error(err: Exception) -> ApiError:
     if isinstance(err, ApiError):
         return err
+    if isinstance(err, DlmError):  # the sampler refused these options for this model
+        return ApiError(400, str(err), None, "invalid_options")
     return ApiError(500, f"decoding failed: {type(err).__name__}: {err}", None, "decoding_failed", "server_error")
 
 

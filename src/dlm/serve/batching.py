@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from dlm.errors import DlmError
 from dlm.sampling import generate
 from dlm.serve.stream import Job, StepFeed
 
@@ -114,8 +115,9 @@ class Batcher:
         except Abandoned:
             self.stats["abandoned"] += 1
             return
-        except Exception as err:  # a bug or an out-of-memory: this batch fails, the server keeps serving
-            log.exception("decoding a batch of %d rows failed", len(ids))
+        except Exception as err:  # a sampler's refusal, a bug, out of memory: this batch fails, the server goes on
+            if not isinstance(err, DlmError):
+                log.exception("decoding a batch of %d rows failed", len(ids))
             self.stats["failed"] += 1
             for job in batch:
                 job.fail(err)

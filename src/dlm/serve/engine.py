@@ -143,9 +143,13 @@ class Engine:
                 raise ApiError(400, "top_p is given twice", "top_p")
             values["top_p"] = top_p
         try:
-            return self.defaults.replace(**values)
+            options = self.defaults.replace(**values)
         except OptionsError as err:
             raise ApiError(400, str(err), next(iter(given.values()), None)) from None
+        if getattr(options, "cache", None) and (self.spec.attention == "block_causal" or self.spec.carry):
+            raise ApiError(400, f"cache {options.cache} (Fast-dLLM) is for full-canvas models without a carry; this "
+                           "model decodes with its exact kv_cache instead: leave cache out", given.get("cache"))
+        return options
 
     def _chat_ids(self, request: ChatRequest) -> list[int]:
         messages = [{"role": m.role, "content": m.text()} for m in request.messages]
