@@ -9,7 +9,7 @@ import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 import pytest
 import torch
@@ -20,6 +20,7 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
+from dlm.modeling.carry import CARRY_MODULE  # noqa: E402
 from dlm.sampling import generate  # noqa: E402
 from dlm.serve.app import create_app  # noqa: E402
 from dlm.serve.engine import Engine, Limits  # noqa: E402
@@ -40,8 +41,12 @@ def build_models(tok, root) -> dict:
     models = {"ar": tiny_model(v),
               "masked": tiny_model(v, attention="bidirectional", family="masked"),
               "block": tiny_model(v, attention="block_causal", family="masked", label_shift=True, block_size=4),
+              "carry": tiny_model(v, attention="bidirectional", family="masked", label_shift=True, carry=True),
               "simplex": tiny_model(v, attention="bidirectional", family="simplex", label_shift=True, simplex_k=5.0,
                                     simplex_timesteps=100, self_conditioning=True)}
+    norm = getattr(models["carry"].backbone, CARRY_MODULE)
+    with torch.no_grad():  # not the zero init: the carry must reach the outputs
+        norm.weight.normal_(1, 1, generator=torch.Generator().manual_seed(7))
     dirs = {}
     for name, m in models.items():
         dirs[name] = root / name
@@ -96,11 +101,11 @@ def dirs(tiny_tokenizer, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def servers(dirs):
-    """One running server per model, default limits except a wider batching window."""
-    with running(Engine(dirs["ar"], limits=Limits(batch_window_ms=100))) as ar, \
-         running(Engine(dirs["masked"], limits=Limits(batch_window_ms=100))) as masked, \
-         running(Engine(dirs["block"])) as block, running(Engine(dirs["simplex"])) as simplex:
-        yield {"ar": ar, "masked": masked, "block": block, "simplex": simplex}
+    """One running server per model (default limits; AR and masked wait 100 ms to batch concurrent requests)."""
+    with ExitStack() as stack:
+        urls = {name: stack.enter_context(running(Engine(dirs[name], limits=Limits(batch_window_ms=window))))
+                for name, window in [("ar", 100), ("masked", 100), ("block", 10), ("carry", 10), ("simplex", 10)]}
+        yield urls
 
 
 def chat(url, name, stream=False, **extra):
@@ -173,7 +178,7 @@ def test_models_health_and_page(servers, dirs):
     assert status == 200 and b"/static/app.js" in page and get(servers["block"], "/static/app.js")[0] == 200
 
 
-@pytest.mark.parametrize("name", ["ar", "masked", "block", "simplex"])
+@pytest.mark.parametrize("name", ["ar", "masked", "block", "carry", "simplex"])
 def test_answers_equal_generate_and_the_stream(servers, dirs, tiny_tokenizer, name):
     """Chat answers are `generate` on the chat-templated prompt; the stream's text is the same, in order."""
     tok = tiny_tokenizer
