@@ -17,6 +17,7 @@ EPILOG = """examples:
   dlm eval runs/ar --task tinymath --n 200
   dlm convert ~/models/LLaDA-8B-Instruct ~/models/llada-hf   a LLaDA / Dream release as a plain HF + dlm model
   dlm export runs/mdm-lora runs/mdm-merged --merge  a LoRA run as a plain Hugging Face model
+  dlm serve runs/mdm                              OpenAI-compatible API + a live denoising page at :8000
 """
 
 
@@ -170,6 +171,45 @@ def _cmd_export(a):
     print(f"exported: {out}")
 
 
+def _cmd_serve(a):
+    from dlm.serve import serve
+    from dlm.serve.engine import Limits
+
+    limits = Limits(max_tokens=a.max_tokens, default_max_tokens=a.default_max_tokens,
+                    max_prompt_tokens=a.max_prompt_tokens, max_batch_size=a.max_batch_size,
+                    batch_window_ms=a.batch_window_ms, max_concurrent=a.max_concurrent, max_body_bytes=a.max_body_bytes,
+                    timeout_s=a.timeout)
+    serve(a.model, host=a.host, port=a.port, dtype=a.dtype, name=a.name, defaults=_sampling_settings(a), limits=limits)
+
+
+SERVE_HELP = """endpoints (OpenAI-compatible; any OpenAI client works with base_url http://HOST:PORT/v1):
+  POST /v1/completions        prompt: text (or token ids), continued as it is
+  POST /v1/chat/completions   messages, rendered with the model's chat template (generation prompt added)
+  GET  /v1/models             the served model, with dlm's facts (family, block size, context, sampling defaults)
+  GET  /health                status, queue and batching counters
+  GET  /                      a page that shows the denoising step by step
+
+request fields: model, max_tokens (masked: the canvas length), temperature (default 0: greedy), seed, n, stop,
+  stream; top_p is the simplex sampler's top-p projection. dlm's extensions, as extra body fields:
+  sampling options of the model's family (policy, reveal_count/u, confidence_threshold/tau, block_size, kv_cache,
+  cache; inference_steps/steps, top_p, early_stop_patience, guidance_scale/eta, ...): another family's option is a
+  400 naming it; reward_model is a server flag only. Defaults: the run's recipe eval section, then the flags.
+  "dlm_steps": true (with stream) adds one event per denoising step:
+  {"object": "dlm.denoise.step", "index", "step", "nfe", "tokens", "pieces", "masked", "confidence", "new",
+  "block_size", "eos"[, "timestep"]}. Responses and the last stream chunk carry usage, "nfe" per choice and the
+  "sampling" options used.
+
+streaming: text is sent once it can no longer change (masked: the revealed prefix; simplex: at the end; AR: token
+  by token after decoding), never past a stop string. Concurrent greedy requests with the same options and
+  max_tokens are decoded in one batch (identical to decoding each alone).
+
+example:
+  dlm serve runs/mdm --port 8000
+  curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{"messages": [{"role": "user", "content": "Mia has 3 apples..."}], "max_tokens": 64, "tau": 0.9}'
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dlm", description="dlm: train, sample and evaluate diffusion language models "
                                 "(masked / PUMBA, simplex / TESS 2) and their autoregressive baseline.",
@@ -294,6 +334,35 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--merge", action="store_true", help="merge a LoRA adapter into its base's weights")
     x.add_argument("--shard-size", default="5GB", help="largest safetensors shard, e.g. 5GB, 500MB (default: 5GB)")
     x.set_defaults(func=_cmd_export)
+
+    v = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API, streaming the denoising",
+                       description="Serve one model (run, model or checkpoint directory) over HTTP: OpenAI-compatible\n"
+                       "completions and chat completions, streamed denoising steps, dynamic batching, limits, and a\n"
+                       "live page at /. Needs the serve extra (pip install -e '.[serve]').",
+                       epilog=SERVE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    v.add_argument("model", help="run directory, model directory or checkpoint directory")
+    v.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
+    v.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    v.add_argument("--name", help="the model id clients send as `model` (default: the directory's name)")
+    _add_dtype_flag(v)
+    lim = v.add_argument_group("limits")
+    lim.add_argument("--max-tokens", type=int, default=1024, help="largest max_tokens a request may ask for "
+                     "(default: 1024)")
+    lim.add_argument("--default-max-tokens", type=int, help="max_tokens of a request that gives none (default: the "
+                     "run's eval.max_new_tokens, else 64)")
+    lim.add_argument("--max-prompt-tokens", type=int, help="longest prompt (default: the model's context minus the "
+                     "request's generation length); longer: 400")
+    lim.add_argument("--max-batch-size", type=int, default=8, help="rows (prompts x n) decoded together (default: 8)")
+    lim.add_argument("--batch-window-ms", type=float, default=10.0, help="how long a request waits for others to "
+                     "batch with (default: 10)")
+    lim.add_argument("--max-concurrent", type=int, default=64, help="requests queued or decoding at once; more get "
+                     "429 (default: 64)")
+    lim.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body; larger: 413 "
+                     "(default: 1048576)")
+    lim.add_argument("--timeout", type=float, default=300.0, help="seconds a request may take, queueing included; "
+                     "then 504, or an error event in a stream (default: 300)")
+    _add_sampling_flags(v)
+    v.set_defaults(func=_cmd_serve)
     return p
 
 
