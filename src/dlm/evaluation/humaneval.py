@@ -109,7 +109,7 @@ def evaluate_humaneval(model, tok, problems: Sequence[dict], options=None, *, sa
     ids, _ = encode_texts(tok, [p["prompt"] for p in problems], model, max_new_tokens, truncate=truncate_prompts,
                           names=[p["task_id"] for p in problems])
     expanded = [i for i in range(len(problems)) for _ in range(samples_per_problem)]
-    texts, nfes, n_tokens, seconds = generate_batched(
+    texts, nfes, tokens, seconds = generate_batched(
         model, tok, [ids[i] for i in expanded], options, batch_size=batch_size, max_new_tokens=max_new_tokens,
         temperature=temperature, generator=torch.Generator().manual_seed(seed), progress=progress)
     completions = [stop_at(t) for t in texts]
@@ -124,9 +124,9 @@ def evaluate_humaneval(model, tok, problems: Sequence[dict], options=None, *, sa
         "n": len(problems),
         "samples_per_problem": samples_per_problem,
         "mean_nfe": sum(nfes) / max(len(nfes), 1),
-        "tokens_per_nfe": n_tokens / max(sum(nfes), 1),
-        "wall_s": seconds,
-        "ms_per_problem": 1000 * seconds / n,
+        "tokens_per_nfe": sum(tokens) / max(sum(nfes), 1),
+        "wall_s": sum(seconds),
+        "ms_per_problem": 1000 * sum(seconds) / n,
         "samples": [
             {"task_id": problems[i]["task_id"], "sample": j % samples_per_problem, "prompt": problems[i]["prompt"],
              "generation": t, "completion": c, "nfe": f, "correct": g["passed"], "status": g["status"],

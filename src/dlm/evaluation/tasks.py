@@ -34,9 +34,10 @@ def evaluate(model, tok, records: Sequence[dict], options=None, *, batch_size: i
     options = resolve_options(model.spec.family, options)
     model.eval()
     prompts = encode_prompts(tok, records, model, max_new_tokens, truncate=truncate_prompts)
-    texts, nfes, n_tokens, gen_seconds = generate_batched(
+    texts, nfes, tokens, seconds = generate_batched(
         model, tok, prompts, options, batch_size=batch_size, max_new_tokens=max_new_tokens, temperature=temperature,
         generator=torch.Generator().manual_seed(seed), progress=progress)
+    n_tokens, gen_seconds = sum(tokens), sum(seconds)
     correct = grade_programs(texts, [r["answer"] for r in records])
     n = max(len(records), 1)
     return {
@@ -55,35 +56,41 @@ def evaluate(model, tok, records: Sequence[dict], options=None, *, batch_size: i
 
 def generate_batched(model, tok, prompts: Sequence[Sequence[int]], options, *, batch_size: int, max_new_tokens: int,
                      temperature: float = 0.0, generator=None, progress: bool = False
-                     ) -> tuple[list[str], list[int], int, float]:
-    """(texts, NFE per prompt, tokens generated with their EOS, seconds) of `prompts` decoded in batches."""
-    texts, nfes, n_tokens = [], [], 0
-    t0 = time.perf_counter()
+                     ) -> tuple[list[str], list[int], list[int], list[float]]:
+    """Per prompt: text, NFE, tokens generated (with the stopping EOS) and seconds (its batch's time shared evenly),
+    of `prompts` decoded in batches."""
+    texts, nfes, tokens, seconds = [], [], [], []
     batches = range(0, len(prompts), batch_size)
     for start in tqdm(batches, desc="generating", unit="batch", disable=not progress, leave=False):
+        t0 = time.perf_counter()
         out = generate(model, prompts[start : start + batch_size], options, max_new_tokens=max_new_tokens,
                        eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, temperature=temperature,
                        generator=generator)
         texts += [tok.decode(t, skip_special_tokens=True) for t in out.tokens]
         nfes += out.nfe
-        n_tokens += sum(len(t) + 1 for t in out.tokens)
-    return texts, nfes, n_tokens, time.perf_counter() - t0
+        tokens += [len(t) + 1 for t in out.tokens]
+        seconds += [(time.perf_counter() - t0) / len(out.tokens)] * len(out.tokens)
+    return texts, nfes, tokens, seconds
+
+
+def encode_text(tok, text: str, add_bos: bool = False) -> list[int]:
+    """Token ids of a text used as it is (no chat template, no specials), with the tokenizer's BOS first when
+    `add_bos` and the text does not already start with it."""
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    bos = tok.bos_token_id
+    return [bos, *ids] if add_bos and bos is not None and ids[:1] != [bos] else ids
 
 
 def encode_texts(tok, texts: Sequence[str], model, max_new_tokens: int, truncate: bool = False,
-                 names: Sequence[str] | None = None) -> tuple[list[list[int]], int]:
-    """(ids, how many were cut) of prompts used as they are (no chat template: e.g. code to continue, or a context
-    lm-eval already rendered). The tokenizer adds its own specials (a BOS where it has one) unless the text starts
-    with them. As for chat prompts (`dlm.data.prompts`), a prompt longer than the model's context is refused naming
-    it, or with `truncate` keeps its last `context - generation` tokens."""
+                 names: Sequence[str] | None = None, add_bos: bool = False) -> tuple[list[list[int]], int]:
+    """(ids, how many were cut) of prompts used as they are (`encode_text`: code to continue, or a context lm-eval
+    already rendered). As for chat prompts (`dlm.data.prompts`), a prompt longer than the model's context is refused
+    naming it, or with `truncate` keeps its last `context - generation` tokens."""
     context = getattr(model.config, "max_position_embeddings", None)
     span = generation_span(model.spec, max_new_tokens)
     out, cut = [], 0
     for i, text in enumerate(texts):
-        bos = tok.bos_token
-        ids = tok(text, add_special_tokens=not (bos and text.startswith(bos)))["input_ids"]
-        if ids and tok.eos_token_id is not None and ids[-1] == tok.eos_token_id and not text.endswith(tok.eos_token):
-            ids = ids[:-1]  # a tokenizer that appends EOS to every text
+        ids = encode_text(tok, text, add_bos)
         if context and len(ids) > context:
             where = names[i] if names else f"prompt {i + 1}"
             if not truncate:
