@@ -311,3 +311,23 @@ def test_cli_eval_and_lm_eval(saved, tmp_path, capsys):
     assert "dlm_tinymath" in capsys.readouterr().out
     written = json.loads(next((tmp_path / "lm").rglob("results_*.json")).read_text())
     assert written["config"]["dlm"]["sampling"]["reveal_count"] == 4
+
+
+def test_dlm_eval_samples_file_for_tinymath_leaves_the_summary_unchanged(saved, tmp_path):
+    from dlm.cli import main
+
+    base = ["eval", str(saved["masked"]), "--data", str(saved["data"]), "--n", "4", "--max-new-tokens", "6",
+            "--truncate-prompts", "--sweep", "u=1,3"]
+    main([*base, "--out", str(tmp_path / "plain.json")])
+    main([*base, "--out", str(tmp_path / "with.json"), "--samples", str(tmp_path / "s.jsonl")])
+    timing = ("wall_s", "ms_per_problem")
+    plain, with_samples = (json.loads((tmp_path / f).read_text()) for f in ("plain.json", "with.json"))
+    for table in (plain, with_samples):
+        table["rows"] = [{k: v for k, v in r.items() if k not in timing} for r in table["rows"]]
+    assert plain == with_samples
+    lines = _lines(tmp_path / "s.jsonl")
+    assert [s["reveal_count"] for s in lines] == [1] * 4 + [3] * 4  # one line per problem and grid value
+    assert [s["prompt"] for s in lines[:4]] == [s["prompt"] for s in lines[4:]]
+    assert len(lines) == 8 and all({"prompt", "generation", "nfe", "correct", "answer"} <= s.keys() for s in lines)
+    rows = plain["rows"]
+    assert [r["mean_nfe"] for r in rows] == [sum(s["nfe"] for s in lines[i * 4:(i + 1) * 4]) / 4 for i in range(2)]

@@ -234,14 +234,15 @@ def run_lm_eval(model_path: str | Path, task: str, options=None, *, n: int | Non
 
     from dlm.evaluation.run import write_samples
 
+    metadata = {"pretrained": str(model_path), **({"data": str(data)} if data else {})}
+    manager = task_manager([task], include_path, metadata)  # an unknown task is said before the model loads
     lm = DlmLM(model_path, dtype=dtype, batch_size=batch_size, seed=seed, mc_num=mc_num,
                truncate_prompts=truncate_prompts, options=options)
-    metadata = {"pretrained": str(model_path), **({"data": str(data)} if data else {})}
     gen_kwargs = {"max_gen_toks": max_new_tokens} if max_new_tokens else {}
     if temperature is not None:
         gen_kwargs.update(temperature=temperature, do_sample=temperature > 0)
     results = simple_evaluate(
-        model=lm, tasks=[task], task_manager=task_manager([task], include_path, metadata),
+        model=lm, tasks=[task], task_manager=manager,
         limit=n, num_fewshot=num_fewshot, gen_kwargs=gen_kwargs or None, apply_chat_template=apply_chat_template,
         log_samples=True, confirm_run_unsafe_code=True, random_seed=seed, numpy_random_seed=seed,
         torch_random_seed=seed, fewshot_random_seed=seed, bootstrap_iters=1000)
