@@ -26,7 +26,14 @@ from dlm.errors import DlmError, OptionsError
 from dlm.evaluation.elbo import forward_passes, loglikelihood
 from dlm.evaluation.humaneval import stop_at
 from dlm.evaluation.tasks import encode_text, encode_texts, generate_batched
-from dlm.sampling import SamplingOptions, SamplingSettings, dtype_name, load_for_inference, resolve_options
+from dlm.sampling import (
+    SamplingOptions,
+    SamplingSettings,
+    dtype_name,
+    load_for_inference,
+    parse_settings,
+    resolve_options,
+)
 from dlm.sampling.options import ALIASES, OWNER, option_name
 
 try:
@@ -54,6 +61,12 @@ class DlmLM(LM):
                  max_gen_toks: int = 256, add_bos_token: bool = False, truncate_prompts: bool = True,
                  trust_remote_code: bool | None = None, options=None, **sampling):
         super().__init__()
+        self.batch_size = _positive("batch_size", batch_size)  # every arg is checked before the model loads
+        self.mc_num, self.max_gen_toks = _positive("mc_num", mc_num), _positive("max_gen_toks", max_gen_toks)
+        self.seed, self.add_bos, self.truncate = int(seed), bool(add_bos_token), bool(truncate_prompts)
+        values = _sampling_values(options, sampling)
+        if isinstance(values, dict):
+            parse_settings(values)  # each value in range; whether the model's family takes it: below
         self.model, self.tok = load_for_inference(pretrained, dtype=dtype)
         self.device_name = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if self.device_name.startswith("cuda") and not torch.cuda.is_available():  # lm-eval's CLI default
@@ -61,11 +74,8 @@ class DlmLM(LM):
             self.device_name = "cpu"
         self.model.to(self.device_name).eval()
         self.family = self.model.spec.family
-        self.options = resolve_options(self.family, _sampling_values(options, sampling))
+        self.options = resolve_options(self.family, values)
         self.pretrained, self.dtype = str(pretrained), dtype_name(dtype)
-        self.batch_size = _positive("batch_size", batch_size)
-        self.mc_num, self.max_gen_toks = _positive("mc_num", mc_num), _positive("max_gen_toks", max_gen_toks)
-        self.seed, self.add_bos, self.truncate = int(seed), bool(add_bos_token), bool(truncate_prompts)
         self.stats: dict = defaultdict(lambda: {"requests": 0, "nfe": 0, "tokens": 0, "seconds": 0.0})
         self.request_nfe: dict = defaultdict(int)  # (task, doc_id) -> NFE summed over the doc's requests
         self.truncated = 0
@@ -164,14 +174,16 @@ class DlmLM(LM):
         scores = loglikelihood(self.model, pairs, mc_num=self.mc_num, batch_size=self.batch_size, seed=self.seed,
                                pad_id=self.tok.pad_token_id)
         seconds = (time.perf_counter() - t0) / max(len(pairs), 1)
+        seen = set()  # a rolling request is scored in several windows: each window costs, the request counts once
         for req in requests:
-            self._count(req, kind, forward_passes(self.model, 1, self.mc_num), 0, seconds)
+            self._count(req, kind, forward_passes(self.model, 1, self.mc_num), 0, seconds, new=id(req) not in seen)
+            seen.add(id(req))
         return scores
 
-    def _count(self, req, kind: str, nfe: int, tokens: int, seconds: float) -> None:
+    def _count(self, req, kind: str, nfe: int, tokens: int, seconds: float, new: bool = True) -> None:
         s = self.stats[(req.task_name or "-", kind)]
-        s["requests"], s["nfe"], s["tokens"], s["seconds"] = (s["requests"] + 1, s["nfe"] + nfe, s["tokens"] + tokens,
-                                                              s["seconds"] + seconds)
+        s["requests"], s["nfe"], s["tokens"], s["seconds"] = (s["requests"] + new, s["nfe"] + nfe,
+                                                              s["tokens"] + tokens, s["seconds"] + seconds)
         self.request_nfe[(req.task_name, req.doc_id)] += nfe
 
 
