@@ -94,7 +94,7 @@ def test_dlm_eval_and_the_lm_eval_task_agree_per_problem(saved, tmp_path, name):
     rows = [[(s["task_id"], s["completion"], s["nfe"], s["correct"]) for s in r["samples"]] for r in ours]
     assert rows[0] == rows[1] and len(rows[0]) == 6
     assert [json.loads(line)["completion"] for line in open(tmp_path / "1.jsonl")] == [r[1] for r in rows[0]]
-    theirs = run_lm_eval(saved[name], "dlm_humaneval", n=6, max_new_tokens=12, batch_size=8,
+    theirs = run_lm_eval(saved[name], "dlm_humaneval", n=6, max_new_tokens=12, batch_size=8, device="cpu",
                          samples=tmp_path / "lm.jsonl")
     lm_rows = [(s["doc_id"], s["generation"][0], s["nfe"], s["grade"]["pass@1"])
                for s in map(json.loads, open(tmp_path / "lm.jsonl"))]

@@ -174,7 +174,7 @@ def test_generate_until_is_batch_invariant_and_matches_dlm_eval(saved, tmp_path,
     options = parse_settings(values)
     runs = []
     for batch in (1, 8):
-        r = run_lm_eval(saved[name], "dlm_tinymath", options, data=saved["data"], n=6, batch_size=batch,
+        r = run_lm_eval(saved[name], "dlm_tinymath", options, data=saved["data"], n=6, batch_size=batch, device="cpu",
                         max_new_tokens=10, apply_chat_template=True, samples=tmp_path / f"{batch}.jsonl")
         lines = _lines(tmp_path / f"{batch}.jsonl")
         runs.append(([(s["doc_id"], s["generation"], s["nfe"], s["grade"]) for s in lines],
@@ -236,7 +236,7 @@ def test_likelihood_tasks_from_local_jsonl_are_batch_invariant(saved, local_task
     got = {}
     for task in ("tiny_mc", "tiny_ppl"):
         for batch in (1, 8):
-            r = run_lm_eval(saved[name], task, include_path=[local_tasks], batch_size=batch, mc_num=8,
+            r = run_lm_eval(saved[name], task, include_path=[local_tasks], batch_size=batch, mc_num=8, device="cpu",
                             samples=tmp_path / f"{task}{batch}.jsonl")
             got[task, batch] = (r["results"][task], _lines(tmp_path / f"{task}{batch}.jsonl"))
         (res1, s1), (res8, s8) = got[task, 1], got[task, 8]
@@ -262,7 +262,7 @@ def test_simple_evaluate_finds_the_registered_model(saved):
 
     results = lm_eval.simple_evaluate(
         model="dlm", model_args=f"pretrained={saved['masked']},policy=threshold,tau=0.6,u=3,mc_num=4", batch_size=4,
-        tasks=["dlm_tinymath"], limit=3, confirm_run_unsafe_code=True, apply_chat_template=True,
+        device="cpu", tasks=["dlm_tinymath"], limit=3, confirm_run_unsafe_code=True, apply_chat_template=True,
         gen_kwargs={"max_gen_toks": 8},
         task_manager=TaskManager(include_path=str(dlm_lm_eval.TASKS_DIR), include_defaults=False,
                                  metadata={"data": str(saved["data"])}))
@@ -304,10 +304,14 @@ def test_cli_eval_and_lm_eval(saved, tmp_path, capsys):
     lines = _lines(samples)
     assert len(lines) == 3 and all(s["nfe"] >= 1 and "accuracy" in s["grade"] for s in lines)
     assert all(s["prompt"].startswith("user: ") for s in lines)
+    for wrong in (["--task", "lm-eval:dlm_tinymath", "--pass-k", "1"], ["--metric", "intrinsic", "--samples", "x"]):
+        with pytest.raises(SystemExit, match="dlm eval: "):  # said before any model loads
+            main(["eval", str(saved["ar"]), *wrong])
     capsys.readouterr()
     main(["lm-eval", "--model", "dlm", "--model_args", f"pretrained={saved['masked']},u=4", "--tasks",
-          "dlm_tinymath", "--limit", "2", "--confirm_run_unsafe_code", "--gen_kwargs", "max_gen_toks=8",
-          "--metadata", json.dumps({"data": str(saved["data"])}), "--output_path", str(tmp_path / "lm")])
+          "dlm_tinymath", "--limit", "2", "--confirm_run_unsafe_code", "--device", "cpu", "--gen_kwargs",
+          "max_gen_toks=8", "--metadata", json.dumps({"data": str(saved["data"])}),
+          "--output_path", str(tmp_path / "lm")])
     assert "dlm_tinymath" in capsys.readouterr().out
     written = json.loads(next((tmp_path / "lm").rglob("results_*.json")).read_text())
     assert written["config"]["dlm"]["sampling"]["reveal_count"] == 4

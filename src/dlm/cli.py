@@ -125,8 +125,10 @@ def _cmd_eval(a):
     if a.task.startswith("lm-eval:"):
         from dlm.evaluation.lm_eval import run_lm_eval
 
-        if a.sweep or a.metric != "accuracy":
-            sys.exit("dlm eval: --sweep and --metric are for dlm's own tasks, not lm-eval tasks")
+        if a.sweep or a.metric != "accuracy" or a.samples_per_problem != 1 or a.pass_k:
+            sys.exit("dlm eval: --sweep, --metric, --samples-per-problem and --pass-k are for dlm's own tasks; an "
+                     "lm-eval task sets its samples per problem (repeats) and metrics in its YAML (e.g. "
+                     "dlm_humaneval_sampled)")
         for i, model in enumerate(a.model):
             out = a.out if len(a.model) == 1 or not a.out else f"{a.out}.{i}"
             samples = a.samples if len(a.model) == 1 or not a.samples else f"{a.samples}.{i}"
@@ -139,6 +141,8 @@ def _cmd_eval(a):
                 if line:
                     print(line)
         return
+    if a.metric != "accuracy" and a.samples:
+        sys.exit(f"dlm eval: --samples writes graded problems (--metric accuracy), not --metric {a.metric}")
     if a.metric == "mask-discrepancy":
         from dlm.evaluation.mask_discrepancy import run_mask_discrepancy
         from dlm.evaluation.run import default_task_file

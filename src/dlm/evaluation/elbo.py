@@ -138,31 +138,55 @@ def masked_loglikelihood(model, pairs: Sequence[Pair], *, mc_num: int = 128, bat
         raise DlmError(f"mc_num must be >= 1, got {mc_num}")
     mask_id = model.spec.mask_token_id
     pairs = _fit(pairs, context_length(model), room=0)
-    jobs = []  # (pair index, noised row, weights over the continuation or None for the greedy pass)
+    total, greedy = [0.0] * len(pairs), [False] * len(pairs)
+    chunk = []
+    for job in _elbo_jobs(model, pairs, mc_num, seed, mask_id):  # rows are made as they are scored: bounded memory
+        chunk.append(job)
+        if len(chunk) == batch_size:
+            _score_chunk(model, pairs, chunk, pad_id, mask_id, total, greedy)
+            chunk = []
+    if chunk:
+        _score_chunk(model, pairs, chunk, pad_id, mask_id, total, greedy)
+    return [(t / mc_num, g) for t, g in zip(total, greedy)]
+
+
+def _elbo_jobs(model, pairs, mc_num: int, seed: int, mask_id: int):
+    """(pair index, noised row, weights over the continuation; None for the all-masked greedy pass), longest first."""
     for i in _by_length(pairs):
         ctx, cont = pairs[i]
         masked, weight = sample_masks(_groups(model, len(cont)), mc_num, request_generator(seed, ctx, cont))
         target = torch.tensor(cont)
         for m, w in zip(masked, weight):
-            jobs.append((i, ctx + target.masked_fill(m, mask_id).tolist(), torch.where(m, w, 0.0)))
-        jobs.append((i, ctx + [mask_id] * len(cont), None))
-    total = [0.0] * len(pairs)
-    greedy = [False] * len(pairs)
-    for start in range(0, len(jobs), batch_size):
-        chunk = jobs[start : start + batch_size]
-        prompt_lens = [len(pairs[i][0]) for i, _, _ in chunk]
-        targets = [pairs[i][0] + pairs[i][1] for i, _, _ in chunk]
-        logits = _masked_logits(model, [row for _, row, _ in chunk], prompt_lens, pad_id, mask_id, targets)
-        for b, (i, _, w) in enumerate(chunk):
-            ctx, cont = pairs[i]
-            span = logits[b, len(ctx) : len(ctx) + len(cont)].float()
-            target = torch.tensor(cont, device=span.device)
-            if w is None:
-                greedy[i] = bool((span.argmax(-1) == target).all())
-            else:
-                nll = torch.logsumexp(span, -1) - span.gather(-1, target[:, None]).squeeze(-1)
-                total[i] -= float((w.to(nll.device) * nll).sum())
-    return [(t / mc_num, g) for t, g in zip(total, greedy)]
+            yield i, ctx + target.masked_fill(m, mask_id).tolist(), torch.where(m, w, 0.0)
+        yield i, ctx + [mask_id] * len(cont), None
+
+
+def _score_chunk(model, pairs, chunk, pad_id: int, mask_id: int, total: list, greedy: list) -> None:
+    """One batched pass over `chunk`'s rows: adds each row's -Σ weight·nll to total[i] (greedy rows: greedy[i])."""
+    prompt_lens = [len(pairs[i][0]) for i, _, _ in chunk]
+    lengths = [len(pairs[i][1]) for i, _, _ in chunk]
+    logits = _masked_logits(model, [row for _, row, _ in chunk], prompt_lens, pad_id, mask_id,
+                            [pairs[i][0] + pairs[i][1] for i, _, _ in chunk])
+    device, width = logits.device, max(lengths)
+    offsets = torch.arange(width, device=device)
+    valid = offsets[None, :] < torch.tensor(lengths, device=device)[:, None]
+    where = (torch.tensor(prompt_lens, device=device)[:, None] + offsets).clamp(max=logits.shape[1] - 1)
+    span = logits.gather(1, where[..., None].expand(-1, -1, logits.shape[-1])).float()  # [B, width, V]
+    target = torch.zeros(len(chunk), width, dtype=torch.long)
+    weight = torch.zeros(len(chunk), width)
+    for b, (i, _, w) in enumerate(chunk):
+        target[b, : lengths[b]] = torch.tensor(pairs[i][1])
+        if w is not None:
+            weight[b, : lengths[b]] = w
+    target, weight = target.to(device), weight.to(device)
+    nll = torch.logsumexp(span, -1) - span.gather(-1, target[..., None]).squeeze(-1)
+    scores = (weight * nll).sum(-1).tolist()
+    exact = ((span.argmax(-1) == target) | ~valid).all(-1).tolist()
+    for b, (i, _, w) in enumerate(chunk):
+        if w is None:
+            greedy[i] = exact[b]
+        else:
+            total[i] -= scores[b]
 
 
 def loglikelihood(model, pairs: Sequence[Pair], *, mc_num: int = 128, batch_size: int = 8, seed: int = 0,

@@ -232,14 +232,15 @@ def task_manager(names: Sequence[str], include_path: Sequence[str | Path] = (), 
 
 def run_lm_eval(model_path: str | Path, task: str, options=None, *, n: int | None = None, batch_size: int = 8,
                 max_new_tokens: int | None = None, temperature: float | None = None, seed: int = 0, dtype=None,
-                mc_num: int = 128, num_fewshot: int | None = None, apply_chat_template: bool = False,
+                mc_num: int = 128, num_fewshot: int | None = None, apply_chat_template: bool = False, device=None,
                 truncate_prompts: bool = True, include_path: Sequence[str | Path] = (), data: str | Path | None = None,
                 samples: str | Path | None = None, out: str | Path | None = None) -> dict:
     """`dlm eval --task lm-eval:TASK`: one lm-eval task (or group) on a dlm model through `simple_evaluate`; returns
     {model, task, results, n-samples, config (dlm's: sampling options, NFE, tokens/s)}, written to `out` (JSON) and
     every problem's prompt, response, NFE and metrics to `samples` (jsonl). `max_new_tokens` / `temperature` override
     the task's generation kwargs; `n` limits the documents per task; `mc_num` is the ELBO's masks per request;
-    `data` reaches the task as metadata (dlm's packaged tasks read their records from it)."""
+    `data` reaches the task as metadata (dlm's packaged tasks read their records from it); `device`: default cuda
+    when there is one."""
     import json
 
     from lm_eval import simple_evaluate
@@ -248,7 +249,7 @@ def run_lm_eval(model_path: str | Path, task: str, options=None, *, n: int | Non
 
     metadata = {"pretrained": str(model_path), **({"data": str(data)} if data else {})}
     manager = task_manager([task], include_path, metadata)  # an unknown task is said before the model loads
-    lm = DlmLM(model_path, dtype=dtype, batch_size=batch_size, seed=seed, mc_num=mc_num,
+    lm = DlmLM(model_path, dtype=dtype, batch_size=batch_size, seed=seed, mc_num=mc_num, device=device,
                truncate_prompts=truncate_prompts, options=options)
     gen_kwargs = {"max_gen_toks": max_new_tokens} if max_new_tokens else {}
     if temperature is not None:

@@ -19,16 +19,18 @@ def tinymath_dataset(data: str | None = None, pretrained: str | None = None, lev
     split beside `pretrained` (as `dlm eval --task tinymath`), else `n` problems generated at `level` with `seed`."""
     import datasets
 
-    from dlm.data.sources import read_jsonl
     from dlm.data.tinymath import generate_splits
-    from dlm.evaluation.run import default_task_file
+    from dlm.evaluation.run import load_task
 
-    if data is None and pretrained is not None:
+    records = None
+    if data is not None or pretrained is not None:
         try:
-            data = default_task_file(pretrained, "tinymath")
-        except DlmError:  # no run split beside the model: generated problems below
-            data = None
-    records = read_jsonl(data) if data else generate_splits(0, 0, int(n), level, int(seed))["test"]
+            records, _ = load_task("tinymath", data, pretrained)
+        except DlmError:
+            if data is not None:
+                raise
+    if records is None:  # no data given and no run split beside the model
+        records = generate_splits(0, 0, int(n), level, int(seed))["test"]
     rows = [{"prompt": r["prompt"], "response": r["response"], "answer": json.dumps(r["answer"])} for r in records]
     return datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)})
 
@@ -46,7 +48,8 @@ def humaneval_dataset(data: str | None = None, **_):
 
     from dlm.evaluation.humaneval import FIELDS, load_problems
 
-    rows = [{k: p[k] for k in (*FIELDS, "canonical_solution") if k in p} for p in load_problems(data)]
+    rows = [{**{k: p[k] for k in FIELDS}, "canonical_solution": p.get("canonical_solution", "")}
+            for p in load_problems(data)]
     return datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)})
 
 
