@@ -189,6 +189,20 @@ def test_generate_until_is_batch_invariant_and_matches_dlm_eval(saved, tmp_path,
     assert [(s["generation"], s["nfe"]) for s in ours["samples"]] == [(g[0], n) for _, g, n, _ in runs[0][0]]
 
 
+def test_generate_until_with_a_simplex_model_is_reproducible(saved, tmp_path):
+    """Simplex decoding draws its starting noise per batch: reproducible for a seed and batch size (not across batch
+    sizes, unlike greedy masked and AR decoding); every request takes the `steps` reverse steps."""
+    from dlm.evaluation.lm_eval import run_lm_eval
+
+    got = []
+    for run in range(2):
+        r = run_lm_eval(saved["simplex"], "dlm_tinymath", {"inference_steps": 3}, data=saved["data"], n=4,
+                        batch_size=2, max_new_tokens=6, device="cpu", samples=tmp_path / f"{run}.jsonl")
+        got.append([(s["generation"], s["nfe"]) for s in _lines(tmp_path / f"{run}.jsonl")])
+    assert got[0] == got[1] and [nfe for _, nfe in got[0]] == [3] * 4
+    assert r["config"]["dlm"]["sampling"]["inference_steps"] == 3
+
+
 def test_tinymath_task_grades_programs_in_the_sandbox(saved):
     """The packaged task's process_results: the reference program scores 1, a corrupted one 0, a hostile one 0."""
     from lm_eval.tasks import TaskManager
