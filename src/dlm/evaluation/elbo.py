@@ -1,7 +1,7 @@
 """Log-likelihood of a continuation given its context, as lm-eval's loglikelihood requests ask for it: exact for AR
-models; for masked models the Monte-Carlo ELBO LLaDA uses for likelihood benchmarks (LLaDA Eq. 14: mask l ~ U{1..L}
-of the continuation's L tokens, i.e. ratio t = l/L, context clean, weight 1/t on the masked positions' -log p);
-simplex models have no likelihood here.
+models; for masked models the Monte-Carlo ELBO LLaDA uses for likelihood benchmarks, in its lower-variance form (Nie
+et al. 2025): mask l ~ U{1..L} of the continuation's L tokens (ratio t = l/L, context clean), weight 1/t on the masked
+positions' -log p. Simplex models have no likelihood here.
 
 Every estimate is deterministic for a seed and independent of batching: each request draws its masks from a
 generator seeded by (seed, its own tokens), so batch size and request order change nothing but float rounding."""
