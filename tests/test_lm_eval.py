@@ -349,3 +349,16 @@ def test_dlm_eval_samples_file_for_tinymath_leaves_the_summary_unchanged(saved, 
     assert len(lines) == 8 and all({"prompt", "generation", "nfe", "correct", "answer"} <= s.keys() for s in lines)
     rows = plain["rows"]
     assert [r["mean_nfe"] for r in rows] == [sum(s["nfe"] for s in lines[i * 4:(i + 1) * 4]) / 4 for i in range(2)]
+
+
+def test_mask_counts_are_stratified_and_weighted_by_one_over_t():
+    from dlm.evaluation.elbo import sample_masks
+
+    groups = torch.tensor([0] * 8 + [1] * 3)  # a block of 8 continuation positions, then a block of 3
+    masked, weight = sample_masks(groups, 4, torch.Generator().manual_seed(0))
+    counts = masked[:, :8].sum(-1).tolist()
+    assert sorted((c - counts[0]) % 8 for c in counts) == [0, 2, 4, 6]  # spread evenly over 1..8
+    assert torch.equal(weight[:, 0], 8 / masked[:, :8].sum(-1).float())
+    assert torch.equal(weight[:, 8], 3 / masked[:, 8:].sum(-1).float())
+    draws = torch.stack([sample_masks(groups, 1, torch.Generator().manual_seed(s))[0][0, :8].sum() for s in range(800)])
+    assert set(draws.tolist()) == set(range(1, 9)) and abs(draws.float().mean() - 4.5) < 0.25  # l ~ U{1..8}

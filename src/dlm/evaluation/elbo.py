@@ -88,12 +88,14 @@ def request_generator(seed: int, ctx: Sequence[int], cont: Sequence[int]) -> tor
 
 def sample_masks(groups: torch.Tensor, mc_num: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """mc_num masks of a continuation whose positions fall in `groups` [L] (0..G-1; one group = the full canvas, one per
-    block for block diffusion). In each group of n positions, sample j masks l_j = (o + j) mod n + 1 positions (o
-    uniform: every l_j is uniform on 1..n, stratified as in LLaDA's evaluation) chosen uniformly at random. Returns
-    (masked [mc, L] bool, weight [mc, L] = n / l_j = 1/t) — unbiased for Σ_g E_l E_M [(n/l) Σ_{i∈M} -log p]."""
+    block for block diffusion). In a group of n positions, draw j masks l_j = (o + ⌊j·n/mc_num⌋) mod n + 1 of them,
+    chosen uniformly: o is uniform, so every l_j is uniform on 1..n, and the l_j spread evenly over 1..n (the
+    stratification LLaDA's evaluation uses). Returns (masked [mc, L] bool, weight [mc, L] = n / l_j = 1/t): unbiased
+    for Σ_g E_l E_M [(n/l) Σ_{i∈M} -log p]."""
     sizes = torch.bincount(groups)
     offset = (torch.rand(len(sizes), generator=generator) * sizes).long()
-    count = (offset[None, :] + torch.arange(mc_num)[:, None]) % sizes[None, :] + 1  # [mc, G]
+    spread = torch.arange(mc_num)[:, None] * sizes[None, :] // mc_num
+    count = (offset[None, :] + spread) % sizes[None, :] + 1  # [mc, G]
     L = len(groups)
     scores = torch.rand(mc_num, L, generator=generator)
     rank = confidence_rank(scores, torch.ones(mc_num, L, dtype=torch.bool), groups.expand(mc_num, L))
