@@ -294,7 +294,11 @@ def main(argv: Sequence[str]) -> None:
     from lm_eval.__main__ import cli_evaluate
 
     args = list(argv)
-    if args and args[0] not in ("-h", "--help") and not any(a.split("=")[0] == "--include_path" for a in args):
+    if args in (["-h"], ["--help"]):  # the flags of an evaluation run (lm-eval's `run`), which ARGS are
+        print("dlm lm-eval: lm-eval's CLI with model `dlm` registered and dlm's packaged tasks (dlm_tinymath, "
+              "dlm_humaneval, dlm_humaneval_sampled) on --include_path; its flags:\n")
+        args = ["run", "--help"]
+    elif args and not any(a.split("=")[0] == "--include_path" for a in args):
         args += ["--include_path", str(TASKS_DIR)]
     sys.argv = ["lm-eval", *args]
     cli_evaluate()
