@@ -17,7 +17,7 @@ and a markdown table beside it.
 
     python benchmarks/serve_load.py --masked /work/demo-runs/final/mdm --ar /work/demo-runs/final/ar \\
         --data /work/demo-runs/final/data/test.jsonl --clients 1,8,64 --requests 128 --max-tokens 40 \\
-        --out docs/results/serving.json
+        --out docs/results/serving-load.json
 """
 
 from __future__ import annotations
