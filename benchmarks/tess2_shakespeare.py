@@ -6,6 +6,8 @@
     python benchmarks/tess2_shakespeare.py generate runs/shakespeare/ar runs/shakespeare/tess2-adapt \
         runs/shakespeare/tess2-scratch --reference-model runs/shakespeare/reference-ar \
         --data runs/shakespeare/data/eval-prefix.jsonl --n 200 --out runs/shakespeare/intrinsic-prefix.json
+    # one table from several `generate` outputs on the same data (rows of models already present are dropped)
+    python benchmarks/tess2_shakespeare.py merge --tables a.json b.json --out both.json
     # the doc's figure: training loss of the two simplex runs, and the intrinsic metrics per model
     python benchmarks/tess2_shakespeare.py plot --runs runs/shakespeare/tess2-adapt runs/shakespeare/tess2-scratch \
         --tables runs/shakespeare/intrinsic-prefix.json runs/shakespeare/intrinsic-unconditional.json \
@@ -27,8 +29,10 @@ import torch
 
 from dlm.data.prompts import encode_prompts
 from dlm.data.sources import read_jsonl
+from dlm.data.tokenizer import load_tokenizer
 from dlm.evaluation.intrinsic import _score, intrinsic_metrics
 from dlm.evaluation.tasks import generate_batched
+from dlm.modeling.backbone import resolve_model_dir
 from dlm.sampling import SimplexOptions, load_for_inference
 
 
@@ -45,11 +49,13 @@ def generate_section(args) -> dict:
     records = read_jsonl(args.data, required=("prompt", "response"))[: args.n]
     prompts, references = [r["prompt"] for r in records], [r["response"] for r in records]
     ref_model, ref_tok = load_for_inference(args.reference_model)
+    # dist-n and entropy of the references count tokens of the first model's tokenizer, as the models' rows do
+    first_tok = load_tokenizer(resolve_model_dir(args.models[0])) if args.models else ref_tok
     rows, samples = [], []
     for path in ["references", *args.models]:
         t0 = time.perf_counter()
         if path == "references":
-            model, tok, generations, row = None, ref_tok, references, {"model": "references"}
+            model, tok, generations, row = None, first_tok, references, {"model": "references"}
         else:
             model, tok = load_for_inference(path)
             family = model.spec.family
@@ -115,9 +121,22 @@ def plot_section(args) -> None:
     fig.savefig(args.out, dpi=110)
 
 
+def merge_section(args) -> None:
+    tables = [json.loads(Path(t).read_text()) for t in args.tables]
+    if len({(t["data"], t["n"], t["reference_model"], t["max_new_tokens"]) for t in tables}) != 1:
+        raise SystemExit("merge: the tables differ in data, n, reference model or max_new_tokens")
+    merged, seen = {**tables[0], "rows": [], "parts": args.tables}, set()
+    for row in (r for t in tables for r in t["rows"]):
+        if row["model"] not in seen:
+            seen.add(row["model"])
+            merged["rows"].append(row)
+    merged["wall_s"] = sum(t.get("wall_s") or 0 for t in tables)
+    Path(args.out).write_text(json.dumps(merged, indent=2) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("section", choices=["generate", "plot"])
+    ap.add_argument("section", choices=["generate", "merge", "plot"])
     ap.add_argument("models", nargs="*", help="generate: run or model directories")
     ap.add_argument("--reference-model", help="generate: held-out AR model (other plays)")
     ap.add_argument("--data", help="generate: eval jsonl (prompt, response)")
@@ -129,11 +148,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--samples", help="generate: write every generation here (jsonl)")
     ap.add_argument("--runs", nargs="*", help="plot: run directories whose training loss to draw")
-    ap.add_argument("--tables", nargs="*", help="plot: outputs of `generate`")
+    ap.add_argument("--tables", nargs="*", help="plot, merge: outputs of `generate`")
     ap.add_argument("--out")
     args = ap.parse_args()
-    if args.section == "plot":
-        plot_section(args)
+    if args.section in ("plot", "merge"):
+        (plot_section if args.section == "plot" else merge_section)(args)
         return
     t0 = time.perf_counter()
     result = generate_section(args)
