@@ -102,13 +102,15 @@ def plot_section(args) -> None:
     axes[0].legend()
     for ax, metric in zip(axes[1:], ("perplexity", "mauve")):
         width = 0.8 / max(len(tables), 1)
+        names = list(dict.fromkeys(Path(r["model"]).name for t in tables for r in t["rows"]))  # one order for all
         for i, table in enumerate(tables):
-            names = [Path(r["model"]).name for r in table["rows"]]
-            values = [r[metric] for r in table["rows"]]
-            x = np.arange(len(names)) + i * width
+            by_name = {Path(r["model"]).name: r for r in table["rows"]}
+            rows = [by_name[n] for n in names if n in by_name]
+            values = [r[metric] for r in rows]
+            x = np.array([names.index(Path(r["model"]).name) for r in rows]) + i * width
             if metric == "perplexity":
-                lo = [v - r["perplexity_ci95"][0] for v, r in zip(values, table["rows"])]
-                hi = [r["perplexity_ci95"][1] - v for v, r in zip(values, table["rows"])]
+                lo = [v - r["perplexity_ci95"][0] for v, r in zip(values, rows)]
+                hi = [r["perplexity_ci95"][1] - v for v, r in zip(values, rows)]
                 ax.bar(x, values, width, yerr=[lo, hi], label=Path(table["data"]).stem)
             else:
                 ax.bar(x, values, width, label=Path(table["data"]).stem)
