@@ -36,6 +36,11 @@ backbone cost more than it saved in docs/results/sampling-speed-2026-12.md.
 The paired comparison with the AR (`vs AR` in the table: problems only the setting solves / only the AR solves) is
 against the AR row of the same dtype, threads and batch size.
 
+--rounds R measures every (model, dtype, setting, threads, batch size) R times in turns, one pass over all of them
+per round, and reports each one's median wall time: on a shared machine a change in load then hits all settings
+alike instead of whichever ran at that moment. Accuracy and NFE come from the first round (greedy decoding gives
+the same tokens every round; `same_tokens_every_round` checks it).
+
 Writes JSON (every row, the command, machine, date) to --out, a markdown table beside it (.md) and a plot of
 accuracy against tokens/s, one panel per batch size (.png).
 
@@ -177,7 +182,7 @@ def run(args) -> dict:
     records = read_jsonl(data, required=("prompt",))[: args.n]
     if any("answer" not in r for r in records):
         raise SystemExit(f"{data}: every record needs an 'answer' field to be graded")
-    rows, profiles, threads_before, load_before = [], [], torch.get_num_threads(), os.getloadavg()
+    cases, profiles, threads_before, load_before = [], [], torch.get_num_threads(), os.getloadavg()
     for path in ([args.ar] if args.ar else []) + list(args.masked):
         for dtype in args.dtypes:
             model, tok = load_for_inference(path, dtype=dtype)  # RoPE's inverse frequencies stay float32
@@ -190,31 +195,40 @@ def run(args) -> dict:
                 t0 = time.perf_counter()
                 for batch_size in args.batch_sizes:  # warm-up (and compilation) at every batch size
                     decode(model, tok, prompts[:batch_size], batch_size, args.max_new_tokens, options)
-                warmup_s = time.perf_counter() - t0
-                for batch_size in args.batch_sizes:
-                    timer.reset()
-                    tokens, nfe, wall = decode(model, tok, prompts, batch_size, args.max_new_tokens, options)
-                    correct = grade_programs([tok.decode(t, skip_special_tokens=True) for t in tokens],
-                                             [r["answer"] for r in records])
-                    n = len(records)
-                    row = {"model": str(path), "family": model.spec.family, "attention": model.spec.attention,
-                           "dtype": dtype, "threads": threads, **options, "batch_size": batch_size, "n": n,
-                           "accuracy": sum(correct) / n, "mean_nfe": sum(nfe) / n, "tokens": sum(map(len, tokens)),
-                           "wall_s": wall, "tokens_per_s": sum(map(len, tokens)) / wall,
-                           "ms_per_problem": 1000 * wall / n, "forward_share": timer.seconds / wall,
-                           "forwards": timer.calls, "compiled": args.compile, "warmup_s": warmup_s,
-                           "correct": "".join("1" if c else "0" for c in correct)}
-                    rows.append(row)
-                    print(f"{Path(path).name} {describe(row)} batch {batch_size}: acc {100 * row['accuracy']:.1f}% | "
-                          f"NFE {row['mean_nfe']:.1f} | {row['tokens_per_s']:.0f} tok/s | "
-                          f"{row['ms_per_problem']:.1f} ms/problem | forward {100 * row['forward_share']:.0f}%",
-                          flush=True)
+                row = {"model": str(path), "family": model.spec.family, "attention": model.spec.attention,
+                       "dtype": dtype, "threads": threads, **options, "compiled": args.compile,
+                       "warmup_s": time.perf_counter() - t0}
+                cases += [{"model": model, "tok": tok, "prompts": prompts, "timer": timer, "options": options,
+                           "row": {**row, "batch_size": b}, "runs": []} for b in args.batch_sizes]
                 for batch_size in args.batch_sizes if args.profile else ():
                     profile = profile_one(model, tok, prompts[:batch_size], args.max_new_tokens, options, timer,
                                           args.profile_repeats)
-                    profiles.append({"model": str(path), "family": model.spec.family,
-                                     "attention": model.spec.attention, "dtype": dtype, "threads": threads,
-                                     "compiled": args.compile, **options, **profile})
+                    profiles.append({**row, **profile})
+    for _ in range(args.rounds):  # every setting once per round: a change in the machine's load hits them all alike
+        for case in cases:
+            torch.set_num_threads(case["row"]["threads"])
+            case["timer"].reset()
+            tokens, nfe, wall = decode(case["model"], case["tok"], case["prompts"], case["row"]["batch_size"],
+                                       args.max_new_tokens, case["options"])
+            case["runs"].append({"wall": wall, "forward": case["timer"].seconds, "calls": case["timer"].calls,
+                                 "tokens": tokens, "nfe": nfe})
+    rows = []
+    for case in cases:
+        runs, tok, n = case["runs"], case["tok"], len(records)
+        median = sorted(runs, key=lambda r: r["wall"])[(len(runs) - 1) // 2]
+        tokens, nfe, wall = runs[0]["tokens"], runs[0]["nfe"], median["wall"]
+        correct = grade_programs([tok.decode(t, skip_special_tokens=True) for t in tokens],
+                                 [r["answer"] for r in records])
+        row = {**case["row"], "n": n, "accuracy": sum(correct) / n, "mean_nfe": sum(nfe) / n,
+               "tokens": sum(map(len, tokens)), "wall_s": wall, "wall_s_rounds": [r["wall"] for r in runs],
+               "same_tokens_every_round": all(r["tokens"] == tokens for r in runs),
+               "tokens_per_s": sum(map(len, tokens)) / wall, "ms_per_problem": 1000 * wall / n,
+               "forward_share": median["forward"] / wall, "forwards": median["calls"],
+               "correct": "".join("1" if c else "0" for c in correct)}
+        rows.append(row)
+        print(f"{Path(row['model']).name} {describe(row)} batch {row['batch_size']}: "
+              f"acc {100 * row['accuracy']:.1f}% | NFE {row['mean_nfe']:.1f} | {row['tokens_per_s']:.0f} tok/s | "
+              f"{row['ms_per_problem']:.1f} ms/problem | forward {100 * row['forward_share']:.0f}%", flush=True)
     torch.set_num_threads(threads_before)
     ar = {}  # the AR baseline's best tokens/s per batch size, over the dtypes and thread counts measured
     for r in rows:
@@ -333,6 +347,8 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", default="1", help="comma-separated torch thread counts (default: 1)")
     ap.add_argument("--dtypes", default="float32", help=f"comma-separated precisions every model is loaded at, from "
                     f"{', '.join(DTYPES)} (default: float32)")
+    ap.add_argument("--rounds", type=int, default=1, help="measure every setting this many times, in turns, and "
+                    "report the median wall time (default: 1)")
     ap.add_argument("--profile", action="store_true",
                     help="per-pass forward/other split of one decoding per setting and batch size")
     ap.add_argument("--profile-repeats", type=int, default=3, help="--profile keeps the fastest of this many "

@@ -42,15 +42,17 @@ def test_sampling_speed_rows_ratios_and_outputs(saved, tmp_path):  # noqa: F811
     assert out.with_suffix(".png").stat().st_size > 10_000
 
 
-def test_sampling_speed_profile_per_batch_size_and_paired_counts(saved, tmp_path):  # noqa: F811
-    """--profile splits one decoding per setting and batch size into forward passes; every row is paired with the
-    AR's per-problem grades (problems only it solves, problems only the AR solves)."""
+def test_sampling_speed_profile_rounds_and_paired_counts(saved, tmp_path):  # noqa: F811
+    """--profile splits one decoding per setting and batch size into forward passes; --rounds measures every row in
+    turns (the same tokens each time); every row is paired with the AR's per-problem grades (problems only it
+    solves, problems only the AR solves)."""
     import sampling_speed
 
     out = tmp_path / "speed.json"
     sampling_speed.main(["--ar", str(saved["ar"][1]), "--masked", str(saved["block_carry"][1]),
                          "--data", str(_data(tmp_path, n=3)), "--n", "3", "--max-new-tokens", "8",
-                         "--batch-sizes", "1,3", "--profile", "--profile-repeats", "2", "--out", str(out)])
+                         "--batch-sizes", "1,3", "--profile", "--profile-repeats", "2", "--rounds", "3",
+                         "--out", str(out)])
     result = json.loads(out.read_text())
     assert [(p["family"], p["batch_size"]) for p in result["profiles"]] == [
         ("autoregressive", 1), ("autoregressive", 3), ("masked", 1), ("masked", 3)]
@@ -59,5 +61,7 @@ def test_sampling_speed_profile_per_batch_size_and_paired_counts(saved, tmp_path
     for r in result["rows"]:
         ar = next(a for a in result["rows"] if a["family"] == "autoregressive" and a["batch_size"] == r["batch_size"])
         assert len(r["correct"]) == 3 and r["accuracy"] == r["correct"].count("1") / 3
+        assert len(r["wall_s_rounds"]) == 3 and r["same_tokens_every_round"]
+        assert r["wall_s"] == sorted(r["wall_s_rounds"])[1]
         assert r["only_this"] - r["only_ar"] == r["correct"].count("1") - ar["correct"].count("1")
     assert "vs AR (paired)" in out.with_suffix(".md").read_text()
