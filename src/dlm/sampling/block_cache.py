@@ -121,23 +121,22 @@ def decode_block_causal(model, canvas, attention, positions, P, block_size, step
         raw, hidden = _forward(model, canvas[active, c:e], inputs, carry, noised[:, c:] if uses_carry else None)
         cache.crop(s - e)  # back to the clean part (a negative count removes that many positions)
         prefix, members = _tensors(cache), active
-        # Later steps run the block's tokens against its clean context: their mask, positions and cache are built
-        # once per block for the rows of `active`, and narrowed when rows stop.
         boundary = raw[:, 0] if spec.label_shift else None  # raw[:, i] is the output at position c + first + i
         carry = hidden[:, s - c :] if uses_carry else None
-        in_block = noised[:, s:]
-        step_mask = block_causal_mask(blocks[active, s:e], in_block, blocks[active, :e], noised, attention[active, :e],
-                                      dtype)
-        step_positions, step_cache = positions[active, s:e], None
-        rows, logits = active, _block_logits(raw[:, s - c - first :], boundary, block_size)
+        rows, logits, step_cache = active, _block_logits(raw[:, s - c - first :], boundary, block_size), None
         while True:
             reveal, confidence = step(canvas, rows, s, logits, canvas[rows, s:e] == mask_id)
             progress.record(rows, s, reveal, confidence)
             local = progress.working(rows, s, e)  # the rows that take another step on this block
             if local is None:
                 break
-            if step_cache is None:  # the block's second step (rows is still `active`)
-                step_cache = StepCache(prefix, block_size)
+            if step_cache is None:
+                # Later steps run the block's tokens against its clean context: their mask, positions and cache are
+                # built at the block's second step for the rows of `active`, and narrowed when rows stop.
+                in_block = noised[:, s:]
+                step_mask = block_causal_mask(blocks[active, s:e], in_block, blocks[active, :e], noised,
+                                              attention[active, :e], dtype)
+                step_positions, step_cache = positions[active, s:e], StepCache(prefix, block_size)
             if len(local) < len(rows):
                 rows, step_mask, step_positions, in_block = (t[local] for t in (rows, step_mask, step_positions,
                                                                                  in_block))
