@@ -10,8 +10,8 @@ blocks). For each setting it reports
   ms/problem    decoding wall time / problems
   forward %     share of the wall time spent inside the backbone (transformer + LM head), timed with perf_counter
                 hooks; the rest is Python: policy, sampler and cache bookkeeping, padding, batching
-  x AR          tokens/s of the setting / the AR model's best tokens/s at the same batch size (its fastest dtype
-                and thread count)
+  x AR          tokens/s of the setting / the AR model's best tokens/s at the same batch size (its fastest dtype,
+                thread count and compilation)
 
 Masked settings: --policy (threshold: Fast-dLLM's tau rule, each --tau value a setting; top_u: --u), --block-size
 (default: the model's own block size for block-causal models, the full canvas otherwise) and --cache, a list of
@@ -28,13 +28,13 @@ AR steps may run fastest on fewer threads than 32-token block passes).
 --profile-repeats) into its forward passes: time in the model forward vs the rest (the sampler's Python and tensor
 bookkeeping) per pass, plus torch.profiler's top operators by self CPU time.
 
---compile applies torch.compile (dynamic shapes) to the cache-free parts of every model's decoder layers, their
-norms and MLP, for every setting, the AR baseline included; compilation happens in the warm-up (one decoding at each
-batch size), which is timed apart. Compiling whole layers recompiles per layer (their KV-cache update), and the whole
-backbone cost more than it saved in docs/results/sampling-speed-2026-12.md.
+--compile also measures a compiled copy of every model (the AR baseline included): torch.compile (dynamic shapes)
+of the cache-free parts of its decoder layers, their norms and MLP; compilation happens in the warm-up (one decoding
+at each batch size), timed apart (`warmup_s`). Compiling whole layers recompiles per layer (their KV-cache update);
+compiling the whole backbone cost more than it saved (docs/results/sampling-speed-2026-12.md).
 
 The paired comparison with the AR (`vs AR` in the table: problems only the setting solves / only the AR solves) is
-against the AR row of the same dtype, threads and batch size.
+against the AR row of the same dtype, threads, compilation and batch size.
 
 --rounds R measures every (model, dtype, setting, threads, batch size) R times in turns, one pass over all of them
 per round, and reports each one's median wall time: on a shared machine a change in load then hits all settings
@@ -183,27 +183,28 @@ def run(args) -> dict:
     if any("answer" not in r for r in records):
         raise SystemExit(f"{data}: every record needs an 'answer' field to be graded")
     cases, profiles, threads_before, load_before = [], [], torch.get_num_threads(), os.getloadavg()
-    for path in ([args.ar] if args.ar else []) + list(args.masked):
-        for dtype in args.dtypes:
-            model, tok = load_for_inference(path, dtype=dtype)  # RoPE's inverse frequencies stay float32
-            prompts = [encode_pair(tok, r["prompt"], "")[0] for r in records]
-            if args.compile:
-                compile_layers(model)
-            timer = ForwardTimer(model)
-            for options, threads in [(o, t) for o in settings(model, args) for t in args.threads]:
-                torch.set_num_threads(threads)
-                t0 = time.perf_counter()
-                for batch_size in args.batch_sizes:  # warm-up (and compilation) at every batch size
-                    decode(model, tok, prompts[:batch_size], batch_size, args.max_new_tokens, options)
-                row = {"model": str(path), "family": model.spec.family, "attention": model.spec.attention,
-                       "dtype": dtype, "threads": threads, **options, "compiled": args.compile,
-                       "warmup_s": time.perf_counter() - t0}
-                cases += [{"model": model, "tok": tok, "prompts": prompts, "timer": timer, "options": options,
-                           "row": {**row, "batch_size": b}, "runs": []} for b in args.batch_sizes]
-                for batch_size in args.batch_sizes if args.profile else ():
-                    profile = profile_one(model, tok, prompts[:batch_size], args.max_new_tokens, options, timer,
-                                          args.profile_repeats)
-                    profiles.append({**row, **profile})
+    versions = [(path, dtype, compiled) for path in ([args.ar] if args.ar else []) + list(args.masked)
+                for dtype in args.dtypes for compiled in ((False, True) if args.compile else (False,))]
+    for path, dtype, compiled in versions:
+        model, tok = load_for_inference(path, dtype=dtype)  # RoPE's inverse frequencies stay float32
+        prompts = [encode_pair(tok, r["prompt"], "")[0] for r in records]
+        if compiled:
+            compile_layers(model)
+        timer = ForwardTimer(model)
+        for options, threads in [(o, t) for o in settings(model, args) for t in args.threads]:
+            torch.set_num_threads(threads)
+            t0 = time.perf_counter()
+            for batch_size in args.batch_sizes:  # warm-up (and compilation) at every batch size
+                decode(model, tok, prompts[:batch_size], batch_size, args.max_new_tokens, options)
+            row = {"model": str(path), "family": model.spec.family, "attention": model.spec.attention,
+                   "dtype": dtype, "threads": threads, **options, "compiled": compiled,
+                   "warmup_s": time.perf_counter() - t0}
+            cases += [{"model": model, "tok": tok, "prompts": prompts, "timer": timer, "options": options,
+                       "row": {**row, "batch_size": b}, "runs": []} for b in args.batch_sizes]
+            for batch_size in args.batch_sizes if args.profile else ():
+                profile = profile_one(model, tok, prompts[:batch_size], args.max_new_tokens, options, timer,
+                                      args.profile_repeats)
+                profiles.append({**row, **profile})
     for _ in range(args.rounds):  # every setting once per round: a change in the machine's load hits them all alike
         for case in cases:
             torch.set_num_threads(case["row"]["threads"])
@@ -234,11 +235,11 @@ def run(args) -> dict:
     for r in rows:
         if r["family"] == "autoregressive":
             ar[r["batch_size"]] = max(ar.get(r["batch_size"], 0.0), r["tokens_per_s"])
-    baseline = {(r["dtype"], r["threads"], r["batch_size"]): r["correct"] for r in rows
+    baseline = {(r["dtype"], r["threads"], r["compiled"], r["batch_size"]): r["correct"] for r in rows
                 if r["family"] == "autoregressive"}
     for r in rows:
         r["x_ar_tokens_per_s"] = r["tokens_per_s"] / ar[r["batch_size"]] if r["batch_size"] in ar else None
-        ref = baseline.get((r["dtype"], r["threads"], r["batch_size"]))  # paired: same problems, same precision
+        ref = baseline.get((r["dtype"], r["threads"], r["compiled"], r["batch_size"]))  # same problems and precision
         r["only_this"], r["only_ar"] = ((sum(a == "1" and b == "0" for a, b in zip(r["correct"], ref)),
                                          sum(a == "0" and b == "1" for a, b in zip(r["correct"], ref)))
                                         if ref is not None else (None, None))
@@ -353,7 +354,8 @@ def main(argv=None) -> None:
                     help="per-pass forward/other split of one decoding per setting and batch size")
     ap.add_argument("--profile-repeats", type=int, default=3, help="--profile keeps the fastest of this many "
                     "decodings (default: 3)")
-    ap.add_argument("--compile", action="store_true", help="torch.compile the norms and MLP of every model's layers")
+    ap.add_argument("--compile", action="store_true", help="also measure every model with its layers' norms and MLP "
+                    "compiled (torch.compile)")
     ap.add_argument("--out", required=True, help="JSON output path; the table (.md) and plot (.png) go beside it")
     args = ap.parse_args(argv)
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
