@@ -12,6 +12,8 @@ blocks). For each setting it reports
                 hooks; the rest is Python: policy, sampler and cache bookkeeping, padding, batching
   x AR          tokens/s of the setting / the AR model's best tokens/s at the same batch size (its fastest dtype,
                 thread count and compilation)
+  x AR per CPU s  the same ratio of tokens per second of process CPU time (all threads): less sensitive than wall
+                time to other processes on a shared machine
 
 Masked settings: --policy (threshold: Fast-dLLM's tau rule, each --tau value a setting; top_u: --u), --block-size
 (default: the model's own block size for block-causal models, the full canvas otherwise) and --cache, a list of
@@ -209,21 +211,24 @@ def run(args) -> dict:
         for case in cases:
             torch.set_num_threads(case["row"]["threads"])
             case["timer"].reset()
+            cpu = time.process_time()
             tokens, nfe, wall = decode(case["model"], case["tok"], case["prompts"], case["row"]["batch_size"],
                                        args.max_new_tokens, case["options"])
-            case["runs"].append({"wall": wall, "forward": case["timer"].seconds, "calls": case["timer"].calls,
-                                 "tokens": tokens, "nfe": nfe})
+            case["runs"].append({"wall": wall, "cpu": time.process_time() - cpu, "forward": case["timer"].seconds,
+                                 "calls": case["timer"].calls, "tokens": tokens, "nfe": nfe})
     rows = []
     for case in cases:
         runs, tok, n = case["runs"], case["tok"], len(records)
         median = sorted(runs, key=lambda r: r["wall"])[(len(runs) - 1) // 2]
         tokens, nfe, wall = runs[0]["tokens"], runs[0]["nfe"], median["wall"]
+        cpu = sorted(r["cpu"] for r in runs)[(len(runs) - 1) // 2]
         correct = grade_programs([tok.decode(t, skip_special_tokens=True) for t in tokens],
                                  [r["answer"] for r in records])
         row = {**case["row"], "n": n, "accuracy": sum(correct) / n, "mean_nfe": sum(nfe) / n,
                "tokens": sum(map(len, tokens)), "wall_s": wall, "wall_s_rounds": [r["wall"] for r in runs],
                "same_tokens_every_round": all(r["tokens"] == tokens for r in runs),
                "tokens_per_s": sum(map(len, tokens)) / wall, "ms_per_problem": 1000 * wall / n,
+               "cpu_s": cpu, "tokens_per_cpu_s": sum(map(len, tokens)) / cpu,
                "forward_share": median["forward"] / wall, "forwards": median["calls"],
                "correct": "".join("1" if c else "0" for c in correct)}
         rows.append(row)
@@ -231,14 +236,16 @@ def run(args) -> dict:
               f"acc {100 * row['accuracy']:.1f}% | NFE {row['mean_nfe']:.1f} | {row['tokens_per_s']:.0f} tok/s | "
               f"{row['ms_per_problem']:.1f} ms/problem | forward {100 * row['forward_share']:.0f}%", flush=True)
     torch.set_num_threads(threads_before)
-    ar = {}  # the AR baseline's best tokens/s per batch size, over the dtypes and thread counts measured
+    ar, ar_cpu = {}, {}  # the AR baseline's best tokens/s (and per CPU second) per batch size, over its variants
     for r in rows:
         if r["family"] == "autoregressive":
             ar[r["batch_size"]] = max(ar.get(r["batch_size"], 0.0), r["tokens_per_s"])
+            ar_cpu[r["batch_size"]] = max(ar_cpu.get(r["batch_size"], 0.0), r["tokens_per_cpu_s"])
     baseline = {(r["dtype"], r["threads"], r["compiled"], r["batch_size"]): r["correct"] for r in rows
                 if r["family"] == "autoregressive"}
     for r in rows:
         r["x_ar_tokens_per_s"] = r["tokens_per_s"] / ar[r["batch_size"]] if r["batch_size"] in ar else None
+        r["x_ar_tokens_per_cpu_s"] = r["tokens_per_cpu_s"] / ar_cpu[r["batch_size"]] if r["batch_size"] in ar else None
         ref = baseline.get((r["dtype"], r["threads"], r["compiled"], r["batch_size"]))  # same problems and precision
         r["only_this"], r["only_ar"] = ((sum(a == "1" and b == "0" for a, b in zip(r["correct"], ref)),
                                          sum(a == "0" and b == "1" for a, b in zip(r["correct"], ref)))
@@ -272,15 +279,16 @@ def markdown(result: dict) -> str:
                  f"start, {'/'.join(f'{x:.1f}' for x in result['load_average']['end'])} at the end."
                  if "load_average" in result else ""), "",
              "| model | setting | batch | accuracy | vs AR (paired) | mean NFE | tokens/s | ms/problem | forward % | "
-             "x AR tokens/s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "x AR tokens/s | x AR per CPU s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         x = f"{r['x_ar_tokens_per_s']:.2f}" if r["x_ar_tokens_per_s"] is not None else "-"
+        x_cpu = f"{r['x_ar_tokens_per_cpu_s']:.2f}" if r.get("x_ar_tokens_per_cpu_s") is not None else "-"
         paired = "-" if r.get("only_this") is None or r["family"] == "autoregressive" else \
             f"+{r['only_this']} / -{r['only_ar']}"
         lines.append(f"| {Path(r['model']).name} | {describe(r)} | {r['batch_size']} | {100 * r['accuracy']:.1f} % | "
                      f"{paired} | {r['mean_nfe']:.1f} | {r['tokens_per_s']:.0f} | {r['ms_per_problem']:.1f} | "
-                     f"{100 * r['forward_share']:.0f} | {x} |")
+                     f"{100 * r['forward_share']:.0f} | {x} | {x_cpu} |")
     for p in result["profiles"]:
         lines += ["", f"Profile, {Path(p['model']).name} {describe(p)}, batch {p.get('batch_size', 1)}: "
                   f"{p['wall_ms']:.1f} ms, {len(p['steps'])} forwards, forward {p['forward_ms']:.1f} ms, "

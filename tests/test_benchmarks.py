@@ -29,9 +29,11 @@ def test_sampling_speed_rows_ratios_and_outputs(saved, tmp_path):  # noqa: F811
     assert {r["threads"] for r in rows} == {1, 2}
     for b in (1, 2):
         best = max(r["tokens_per_s"] for r in ar if r["batch_size"] == b)
+        best_cpu = max(r["tokens_per_cpu_s"] for r in ar if r["batch_size"] == b)
         for r in rows:
             if r["batch_size"] == b:
                 assert r["x_ar_tokens_per_s"] == pytest.approx(r["tokens_per_s"] / best)
+                assert r["x_ar_tokens_per_cpu_s"] == pytest.approx(r["tokens_per_cpu_s"] / best_cpu)
     # the exact cache and recomputation decode the same tokens with the same NFE (per dtype, tau, batch)
     key = lambda r: (r["dtype"], r["threads"], r["confidence_threshold"], r["batch_size"])  # noqa: E731
     kv = {key(r): (r["tokens"], r["mean_nfe"], r["accuracy"]) for r in block if r["kv_cache"]}
