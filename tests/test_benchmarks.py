@@ -67,3 +67,22 @@ def test_sampling_speed_profile_rounds_and_paired_counts(saved, tmp_path):  # no
         assert r["wall_s"] == sorted(r["wall_s_rounds"])[1]
         assert r["only_this"] - r["only_ar"] == r["correct"].count("1") - ar["correct"].count("1")
     assert "vs AR (paired)" in out.with_suffix(".md").read_text()
+
+
+def test_serve_load_counts_every_request_and_batches_only_when_asked(saved, tmp_path):  # noqa: F811
+    pytest.importorskip("uvicorn")
+    pytest.importorskip("openai")
+    import serve_load
+
+    out = tmp_path / "serving.json"
+    serve_load.main(["--masked", str(saved["masked"][1]), "--ar", str(saved["ar"][1]), "--data",
+                     str(_data(tmp_path, n=4)), "--clients", "1,4", "--requests", "8", "--max-tokens", "6",
+                     "--threads", "1", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 2 * 2 * 2  # models x modes x concurrency levels
+    assert all(r["requests"] == 8 and r["errors"] == 0 and r["completion_tokens"] > 0 for r in rows)
+    for r in rows:
+        if r["mode"] == "one at a time" or r["clients"] == 1:
+            assert r["batches"] == 8  # one generate call per request
+        assert r["p50_s"] <= r["p99_s"]
+    assert (tmp_path / "serving.md").read_text().count("\n| ") == 1 + 8  # header + one row per setting

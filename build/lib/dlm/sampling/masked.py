@@ -1,0 +1,145 @@
+"""The masked-diffusion sampler: confidence-based unmasking over a [prompt | masks] canvas (PUMBA §2).
+
+Policies: top-u (Chang et al. 2022), Fast-dLLM threshold (Wu et al. 2026b) and the PU training rule, on the full
+canvas or block by block, left to right (block diffusion decoding, Arriola et al. 2025). Batched over left-padded
+prompts: every row sees exactly the layout (positions, attended tokens) it would see alone.
+
+Block-causal models (PUMBA §4.2, App. B.4.3) decode block by block under `dlm.modeling.blocks`' mask: the response
+is rounded up to whole blocks; while a row works on block k, earlier blocks are clean and block k and every later
+block are noised (so later blocks are invisible to it). Here every step recomputes the whole canvas (the reference);
+`dlm.sampling.block_cache` computes the same tokens with a KV cache over finished blocks. `cache="prefix"|"dual"`
+selects Fast-dLLM's approximate caches for full-canvas models (also in `block_cache`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from dlm.data.canvas import left_pad
+from dlm.errors import OptionsError
+from dlm.modeling.blocks import block_causal_mask, canvas_blocks, num_blocks
+from dlm.sampling import block_cache
+from dlm.sampling.steps import Progress, first_index, make_rule, reveal_step
+
+
+@dataclass
+class MaskedGeneration:
+    tokens: list[list[int]]  # generated ids, up to but excluding the first EOS
+    nfe: list[int]  # forward passes each sample took part in while unfinished
+    trace: list[dict] | None = None  # per step: canvas [B, L] after the step, revealed [B, L], confidence [B, L]
+
+
+@torch.no_grad()
+def generate(
+    model,
+    prompts: Sequence[Sequence[int]],
+    gen_length: int,
+    eos_id: int,
+    pad_id: int,
+    mask_id: int,
+    policy: str = "top_u",
+    reveal_count: int = 2,
+    confidence_threshold: float = 0.9,
+    block_size: int | None = None,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+    return_trace: bool = False,
+    reset_carry_per_block: bool = False,
+    kv_cache: bool = True,
+    cache: str | None = None,
+) -> MaskedGeneration:
+    """Reveal `gen_length` masked positions after each prompt until each row is finished (PUMBA §2).
+
+    A model with a carry (PUMBA Eq. 3.1) receives the previous step's last hidden state, zero at the first step; on
+    the full canvas it passes from step to step and across blocks, and with `reset_carry_per_block` (block diffusion,
+    App. B.4.3) it restarts from zero when a row moves to a new block.
+
+    A block-causal model decodes block by block (`block_size` defaults to the model's), its response rounded up to
+    whole blocks; `kv_cache` (default) reuses finished blocks' keys and values, exactly (`block_cache`). `cache`
+    ("prefix" or "dual", full-canvas models with a `block_size`) selects Fast-dLLM's approximate caches."""
+    rule = make_rule(policy, reveal_count, confidence_threshold)
+    spec = getattr(model, "spec", None)
+    block_causal = getattr(spec, "attention", None) == "block_causal"
+    uses_carry = bool(getattr(spec, "carry", False))
+    if block_causal:
+        block_size = block_size or spec.block_size
+        if block_size is None:
+            raise ValueError("a block-causal model needs a block_size: pass block_size= or set block_size in its "
+                             "dlm.json")
+    if block_size is not None and block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if mask_id == eos_id:
+        raise ValueError("mask_id and eos_id must differ")
+    if cache is not None:
+        if cache not in ("prefix", "dual"):
+            raise ValueError(f"unknown cache {cache!r}; choose prefix or dual (or None for no cache)")
+        if block_causal or block_size is None or uses_carry:
+            raise OptionsError("cache='prefix'/'dual' (Fast-dLLM) is for full-canvas models without a carry and needs "
+                               "a block_size; block-causal models use kv_cache instead")
+    if block_causal:
+        gen_length = num_blocks(gen_length, block_size) * block_size
+    device = next(model.parameters()).device
+    ids, attention = (t.to(device) for t in left_pad(prompts, pad_id))
+    B, P = ids.shape
+    canvas = torch.cat([ids, torch.full((B, gen_length), mask_id, dtype=torch.long, device=device)], dim=1)
+    attention = torch.cat([attention, torch.ones(B, gen_length, dtype=attention.dtype, device=device)], dim=1)
+    positions = (attention.cumsum(-1) - 1).clamp(min=0)
+    trace: list[dict] | None = [] if return_trace else None
+    step = partial(reveal_step, rule=rule, mask_id=mask_id, temperature=temperature, generator=generator)
+    if (block_causal and kv_cache) or cache is not None:
+        run = block_cache.decode_block_causal if block_causal else partial(block_cache.decode_fast_dllm, mode=cache)
+        nfe = run(model, canvas, attention, positions, P, block_size, step, eos_id, mask_id, trace)
+    else:
+        nfe = decode(model, canvas, attention, positions, P, block_size, step, eos_id, mask_id, trace,
+                     block_causal, reset_carry_per_block)
+    region = canvas[:, P:]
+    cut = first_index(region == eos_id).tolist()
+    tokens = [row[:n] for row, n in zip(region.tolist(), cut)]
+    return MaskedGeneration(tokens, nfe.tolist(), trace)
+
+
+def decode(model, canvas, attention, positions, P, block_size, step, eos_id, mask_id, trace, block_causal=False,
+           reset_carry_per_block=False) -> torch.Tensor:
+    """Denoise canvas[:, P:] in place, recomputing the whole canvas every step; returns the NFE per row. Each row
+    works on its first block with a mask; a block-causal model sees it through the block-causal mask (the reference
+    for the KV-cached decoding)."""
+    B, L = canvas.shape
+    gen_length = L - P
+    block_of = torch.arange(gen_length, device=canvas.device) // (block_size or max(gen_length, 1))
+    blocks = canvas_blocks(P, gen_length, block_size, B, canvas.device) if block_causal else None
+    progress = Progress(canvas, P, eos_id, mask_id, trace)
+    done = progress.done
+    uses_carry = bool(getattr(getattr(model, "spec", None), "carry", False))
+    carry = torch.zeros(B, L, model.config.hidden_size, device=canvas.device) if uses_carry else None
+    last_block = torch.zeros(B, dtype=torch.long, device=canvas.device)
+    dtype = next(model.parameters()).dtype
+    while not bool(done.all()):
+        rows = (~done).nonzero().squeeze(1)
+        sub = slice(None) if len(rows) == B else rows  # finished rows are not computed again
+        masked = canvas[sub, P:] == mask_id
+        current = block_of[first_index(masked).clamp(max=gen_length - 1)]  # the first block with a mask
+        inputs = dict(attention_mask=attention[sub], position_ids=positions[sub])
+        if block_causal:  # response block k has block id k + 1; it and every later block are noised
+            inputs["attention_mask"] = block_causal_mask(blocks[sub], blocks[sub] > current[:, None],
+                                                         k_valid=attention[sub], dtype=dtype)
+        if uses_carry:
+            if reset_carry_per_block or block_causal:
+                carry[sub] = carry[sub] * (current == last_block[sub])[:, None, None].to(carry.dtype)
+                last_block[sub] = current
+            if block_causal:
+                # the carry is passed on and received inside the current block only (App. B.4.3)
+                logits, hidden = model(canvas[sub], carry=carry[sub], carry_mask=blocks[sub] == current[:, None] + 1,
+                                       return_hidden=True, **inputs)
+            else:
+                logits, hidden = model(canvas[sub], carry=carry[sub], return_hidden=True, **inputs)
+            carry[sub] = hidden.float()
+        else:
+            logits = model(canvas[sub], **inputs)
+        eligible = masked & (block_of[None, :] == current[:, None])
+        reveal, confidence = step(canvas, sub, P, logits[:, P:], eligible)
+        progress.record(sub, P, reveal, confidence)
+    return progress.nfe

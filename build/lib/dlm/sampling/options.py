@@ -1,0 +1,267 @@
+"""Sampling options: one pydantic model per model family, the single definition of every sampler setting (its range,
+default and description). The recipe's eval section, the `dlm generate/eval` flags (generated from these fields),
+`generate(model, prompts, options)` and sweeps all parse into them, so a value is checked once, with one message,
+wherever it comes from. Pydantic only: the CLI builds its parser from these fields without importing torch.
+
+`max_new_tokens` and `temperature` are arguments of `generate`, not options: every family takes them, and what they
+mean (the AR token limit, the diffusion canvas length) belongs to the call, not to one family's sampler."""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar, Literal, get_args
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    WrapValidator,
+    create_model,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from dlm.errors import OptionsError
+
+
+def _must_be(domain: str) -> WrapValidator:
+    """Every invalid value of a field (wrong type or out of range) is reported as 'must be <domain>'."""
+
+    def check(value, handler):
+        try:
+            return handler(value)
+        except ValidationError:
+            raise PydanticCustomError("sampling_option", "must be {domain}", {"domain": domain}) from None
+
+    return WrapValidator(check)
+
+
+Policy = Literal["top_u", "threshold", "top_u_or_threshold"]
+POLICIES = get_args(Policy)
+Cache = Literal["prefix", "dual"]
+Count = Annotated[int, Field(ge=1), _must_be("an integer >= 1")]
+Fraction = Annotated[float, Field(gt=0, le=1), _must_be("a number in (0, 1]")]
+Positive = Annotated[float, Field(gt=0), _must_be("a number > 0")]
+Number = Annotated[float, _must_be("a number")]
+Switch = Annotated[bool, _must_be("true or false")]
+Directory = Annotated[str, BeforeValidator(lambda v: os.fspath(v) if isinstance(v, os.PathLike) else v),
+                      _must_be("a directory path")]
+
+
+def _one_of(choices) -> WrapValidator:
+    return _must_be("one of " + ", ".join(get_args(choices)))
+
+
+def _invalid(message: str) -> PydanticCustomError:
+    return PydanticCustomError("sampling_options", "{message}", {"message": message})
+
+
+class SamplingOptions(BaseModel):
+    """A family's sampler settings: immutable, unknown keys rejected, every value checked on construction (a pydantic
+    ValidationError; `parse_options` turns user input into options or one OptionsError line)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    family: ClassVar[str]
+
+    def replace(self, **changes) -> SamplingOptions:
+        """A copy with `changes`, validated like any other value (a sweep's grid values go through here)."""
+        return parse_options(self.family, {**self.model_dump(exclude_unset=True), **changes})
+
+
+class MaskedOptions(SamplingOptions):
+    """The masked-diffusion sampler (PUMBA §2; `dlm.sampling.masked`)."""
+
+    family: ClassVar[str] = "masked"
+    policy: Annotated[Policy, _one_of(Policy)] = Field(
+        "top_u", description="unmasking policy (PUMBA §2): top_u reveals the u most confident masked positions per "
+        "step, threshold every one with confidence >= tau (at least one; Fast-dLLM), top_u_or_threshold the top u "
+        "plus every other one >= tau")
+    reveal_count: Count = Field(2, description="u: positions revealed per step by top_u and top_u_or_threshold")
+    confidence_threshold: Fraction = Field(0.9, description="tau: the confidence at or above which threshold and "
+                                           "top_u_or_threshold reveal a position")
+    block_size: Count | None = Field(None, description="decode left to right in blocks of this many positions (block "
+                                     "diffusion); unset: the whole canvas at once, or a block-causal model's own size")
+    kv_cache: Switch = Field(True, description="block-causal models: reuse finished blocks' keys and values, exactly "
+                             "(off: recompute the whole canvas every step, the reference)")
+    cache: Annotated[Cache, _one_of(Cache)] | None = Field(
+        None, description="full-canvas models with a block_size: Fast-dLLM's approximate KV cache, prefix (prompt and "
+        "finished blocks) or dual (also the later, masked blocks); unset: none")
+    reset_carry_per_block: Switch = Field(False, description="full-canvas models with a carry and a block_size: "
+                                          "restart the carry from zero at each new block (block-causal models always "
+                                          "do, PUMBA App. B.4.3)")
+
+    @model_validator(mode="after")
+    def _cache_needs_blocks(self):
+        if self.cache is not None and self.block_size is None:
+            raise _invalid(f"cache {self.cache} (Fast-dLLM) needs a block_size: the cache is refreshed at each block")
+        return self
+
+
+class SimplexOptions(SamplingOptions):
+    """The simplex-diffusion sampler (TESS 2 §3.1, §3.4; `dlm.sampling.simplex`)."""
+
+    family: ClassVar[str] = "simplex"
+    inference_steps: Count = Field(100, description="reverse diffusion steps, spaced over the training timesteps "
+                                   "(TESS 2 §5.1)")
+    top_p: Fraction | None = Field(None, description="top-p projection of each step's logits instead of the argmax "
+                                   "(TESS 2 Eq. 5), e.g. 0.99; unset: argmax")
+    early_stop_patience: Count | None = Field(None, description="stop a row once its tokens are unchanged for this "
+                                              "many consecutive steps; unset: run every step")
+    reward_model: Directory | None = Field(None, description="reward model directory for reward guidance (TESS 2 "
+                                           "§3.4); it must share the diffusion model's tokenizer")
+    guidance_scale: Number = Field(0.0, description="eta: reward-guidance step size, logits += eta * grad R at each "
+                                   "step (TESS 2 Eq. 8); 0 = no guidance")
+    guidance_steps: Count = Field(1, description="gradient-ascent steps on the reward per diffusion step")
+    guidance_temperature: Positive = Field(1.0, description="temperature of the softmax that turns logits into the "
+                                           "reward model's soft inputs (TESS 2 Eq. 6)")
+
+    @model_validator(mode="after")
+    def _guidance_needs_a_reward_model(self):
+        if self.guidance_scale != 0 and self.reward_model is None:
+            raise _invalid(f"guidance_scale {self.guidance_scale} needs a reward_model to guide with")
+        return self
+
+
+class AutoregressiveOptions(SamplingOptions):
+    """The AR baseline's sampler takes no options: greedy or temperature sampling with a KV cache."""
+
+    family: ClassVar[str] = "autoregressive"
+
+
+OPTIONS: dict[str, type[SamplingOptions]] = {cls.family: cls for cls in (MaskedOptions, SimplexOptions,
+                                                                          AutoregressiveOptions)}
+# Short names (the papers' symbols and the flags the docs use) → option fields: CLI aliases and sweep keys.
+ALIASES = {"sampler": "policy", "u": "reveal_count", "tau": "confidence_threshold", "steps": "inference_steps",
+           "early_stop": "early_stop_patience", "eta": "guidance_scale"}
+OWNER = {name: family for family, cls in OPTIONS.items() for name in cls.model_fields}  # field → its family
+
+
+class SamplingSettings(create_model("_EveryFamily", __config__=ConfigDict(extra="forbid"),
+                                    **{name: (f.annotation, f) for cls in OPTIONS.values()
+                                       for name, f in cls.model_fields.items()})):
+    """Every family's options in one flat set, for what serves models of several families (the recipe's eval
+    section, `dlm eval runs/mdm runs/ar --tau 0.9`): each model takes its own family's share."""
+
+    @model_validator(mode="after")
+    def _each_family(self):
+        for family in OPTIONS:  # cross-field checks (a cache needs a block_size, guidance a reward model)
+            try:
+                self.sampling_options(family)
+            except OptionsError as err:
+                raise _invalid(str(err)) from None
+        return self
+
+    def sampling_options(self, family: str) -> SamplingOptions:
+        """The options of a `family` model: its fields that were set here, the family's defaults for the rest."""
+        cls = options_class(family)
+        return parse_options(family, {k: getattr(self, k) for k in cls.model_fields if k in self.model_fields_set})
+
+
+def options_class(family: str) -> type[SamplingOptions]:
+    if family not in OPTIONS:
+        raise OptionsError(f"no sampler for model family {family!r} (samplers: {', '.join(OPTIONS)})")
+    return OPTIONS[family]
+
+
+def option_name(key: str) -> str:
+    """The option field a key names: a field name or a short name in ALIASES ('tau' → 'confidence_threshold')."""
+    name = ALIASES.get(key, key)
+    if name not in OWNER:
+        known = sorted([*OWNER, *ALIASES])
+        close = difflib.get_close_matches(key, known, n=1)
+        raise OptionsError(f"unknown sampling option {key!r}" + (f" (did you mean {close[0]}?)" if close else "")
+                           + f"; options: {', '.join(OWNER)}")
+    return name
+
+
+def parse_options(family: str, values: Mapping[str, Any] | None = None, *, strict: bool = True,
+                  names: Mapping[str, str] | None = None) -> SamplingOptions:
+    """A `family` model's options from plain values (None = the default). A key that no family takes is an error; a
+    key of another family's sampler is an error when `strict`, else left out (`ignored` says why). `names` maps a
+    field to how the user wrote it (e.g. "--tau"), for the messages."""
+    cls = options_class(family)
+    given = _known({k: v for k, v in (values or {}).items() if v is not None})
+    foreign = [k for k in given if k not in cls.model_fields]
+    if foreign and strict:
+        raise OptionsError("; ".join(f"{_label(k, names)}{k} is a {OWNER[k]}-sampler option; {family} models do not "
+                                     "take it" for k in foreign))
+    return _validate(cls, {k: v for k, v in given.items() if k not in foreign}, names)
+
+
+def parse_settings(values: Mapping[str, Any] | None = None, *,
+                   names: Mapping[str, str] | None = None) -> SamplingSettings:
+    """Every family's options from one set of plain values (None = the default): each value is checked by the family
+    that takes it; a key no family takes is an error."""
+    return _validate(SamplingSettings, _known({k: v for k, v in (values or {}).items() if v is not None}), names)
+
+
+def resolve_options(family: str, options=None, *, strict: bool = True) -> SamplingOptions:
+    """The options a `family` model samples with, from None (its defaults), its own options, SamplingSettings (its
+    share) or plain values. Another family's options are an error when `strict`, else give the defaults."""
+    cls = options_class(family)
+    if options is None:
+        return cls()
+    if isinstance(options, SamplingSettings):
+        return options.sampling_options(family)
+    if isinstance(options, SamplingOptions):
+        if isinstance(options, cls):
+            return options
+        if strict:
+            raise OptionsError(f"{type(options).__name__} are for {options.family} models; this is a {family} model")
+        return cls()
+    if isinstance(options, Mapping):
+        return parse_options(family, options, strict=strict)
+    raise TypeError(f"sampling options must be SamplingOptions, SamplingSettings or a mapping, not {type(options)}")
+
+
+def ignored(family: str, options) -> list[str]:
+    """The settings given in `options` that a `family` model does not use, e.g. ['confidence_threshold (masked
+    sampler)']: the note to print when one set of settings serves models of several families."""
+    if isinstance(options, (SamplingSettings, SamplingOptions)):
+        given = [k for k in OWNER if k in options.model_fields_set]
+    elif isinstance(options, Mapping):
+        given = [k for k in OWNER if options.get(k) is not None]
+    else:
+        given = []
+    own = options_class(family).model_fields
+    return [f"{k} ({OWNER[k]} sampler)" for k in given if k not in own]
+
+
+def _known(values: dict) -> dict:
+    """`values`, once every key is checked to be an option field (a short name is not one: the key is the field)."""
+    for key in values:
+        if key not in OWNER:
+            option_name(key)  # an unknown key: raises, with a suggestion
+            raise OptionsError(f"{key!r} is a short name; the option is {ALIASES[key]!r}")
+    return values
+
+
+def _label(field: str, names: Mapping[str, str] | None) -> str:
+    return f"{names[field]}: " if names and field in names else ""
+
+
+def _validate(cls, values: dict, names: Mapping[str, str] | None):
+    """`cls(**values)`, every error turned into one OptionsError line that names the field (or the user's flag), the
+    value and what it must be: '--tau 1.5: confidence_threshold must be a number in (0, 1]'."""
+    try:
+        return cls.model_validate(values)
+    except ValidationError as err:
+        raise OptionsError(_describe(err, names)) from None
+
+
+def _describe(err: ValidationError, names: Mapping[str, str] | None) -> str:
+    lines = []
+    for e in err.errors():
+        field = str(e["loc"][0]) if e["loc"] else None
+        msg = e["msg"].removeprefix("Value error, ")
+        if field is None:
+            lines.append(msg)
+        elif names and field in names:
+            lines.append(f"{names[field]} {e['input']}: {field} {msg}")
+        else:
+            lines.append(f"{field} {msg}, got {e['input']!r}")
+    return "; ".join(lines)

@@ -1,0 +1,364 @@
+"""Progressive unmasking with the carry and truncated BPTT: PUMBA (§3, Algorithm 1, App. B.2, B.4.2).
+
+One call of `loss` is one window: W forward passes over the same trajectories of the pool, each followed by a step of
+the construction (teacher-forced commits). The carry produced by a pass is the next pass's input and keeps its
+graph inside the window; it is detached when the window ends (Algorithm 1, line 14) and stored in fp32 in the pool.
+
+Loss of one pass (§B.4.2): per sequence, cross-entropy on the masked positions in the loss weighted by
+min(1/t_k, cap), t_k the realised masked fraction of its positions in the loss, plus z-loss; normalised by the
+number of positions in the loss, and rescaled by the fraction of sequences that still have masked positions in the
+loss. The window's loss is the mean over its passes. Retired trajectories idle until the window ends and are then
+refilled from the data stream (zero carry).
+
+Block PUMBA (§4.2, App. B.4.2): with a block size, every response block is its own trajectory (its own top-u, its
+own t_k), all blocks of a sample advance in lockstep in one vectorised pass (`dlm.modeling.blocks`), and the carry
+restarts at zero in every block.
+
+Ablations: discrete bridges through the committed tokens at W >= 2 without a carry (§3.2, App. C.2), student forcing
+(App. C.3), PU+ (pool of pool_factor × batch visited in turn, random initial masking, loss balance λ of Eq. F.2,
+App. F.6.1) and the training-time threshold on/off (App. F.7).
+
+The bridges keep the forward pass teacher-forced (committed positions hold the ground truth, so targets never
+contradict the context) and differ only in the gradient they let through the commit: straight-through adds
+q·E - sg(q·E) to the committed position's embedding with q = softmax(logits), Gumbel-softmax the same with
+q = softmax((logits + g) / T), and REINFORCE adds the score-function term -w · sg(A) · log p(committed tokens), where
+A is the next pass's negative per-sequence loss with a leave-one-out baseline, normalised to unit standard deviation.
+This reading of Table 1 is ours: the paper names the estimators but not where they attach.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from dlm.diffusion.masking import loss_weight
+from dlm.diffusion.progressive import StageConstruction, construction_for, student_forcing_ratio
+from dlm.modeling.blocks import block_forward, response_blocks
+from dlm.training.trajectories import TrajectoryPool
+
+
+class ProgressiveObjective:
+    def __init__(self, cfg, mask_token_id: int, seed: int, rank: int, batch_size: int, grad_accum: int,
+                 max_length: int, weight_cap: float = 5.0, z_loss: float = 1e-5, block_size: int | None = None):
+        self.cfg, self.mask_token_id, self.block_size = cfg, mask_token_id, block_size
+        self.weight_cap, self.z_loss = weight_cap, z_loss
+        self.batch_size, self.grad_accum, self.max_length = batch_size, grad_accum, max_length
+        self.generator = torch.Generator().manual_seed(seed * 1_000_003 + rank + 7)
+        self.pool: TrajectoryPool | None = None
+        self.updates = 0  # optimizer updates so far (drives the K curriculum and student forcing)
+        self.micro = 0  # micro-batches so far (which chunk of the pool advances next)
+        self._pending_state: dict | None = None
+
+    # ---- set-up ---------------------------------------------------------------------------------------------------
+    def construction(self):
+        """The construction at the current update (the same rule mask discrepancy rebuilds for a run)."""
+        return construction_for(self.cfg, self.updates, self.block_size)
+
+    def attach(self, stream, collate, carry_dim: int | None) -> None:
+        """Bind the data stream the pool refills from (called by the trainer before the first update)."""
+        size = self.batch_size * self.grad_accum * self.cfg.pool_factor
+        self.pool = TrajectoryPool(size, self.max_length, stream.take, collate, self.mask_token_id,
+                                   self.construction(), self.generator, self.cfg.pad_in_loss,
+                                   carry_dim if self.cfg.carry else None)
+        if self._pending_state is not None:
+            self._load_pool(self._pending_state)
+            self._pending_state = None
+
+    # ---- one window -----------------------------------------------------------------------------------------------
+    def loss(self, model, batch=None):
+        """One BPTT window over the next chunk of the pool: (mean loss of its passes, count 1, metrics)."""
+        if self.pool is None:
+            raise RuntimeError("the pu objective needs attach(stream, collate, carry_dim) before training")
+        cfg, pool, g = self.cfg, self.pool, self.generator
+        rows = self._next_rows()
+        device = next(model.parameters()).device
+        # Like a collated batch, the chunk is cut to its longest canvas (padding beyond it is never attended).
+        width = int(pool.lengths[rows].max())
+        loss_mask = pool.loss_mask[rows, :width].to(device)
+        attention = torch.ones(len(rows), width, dtype=torch.long, device=device)
+        blocks = group = None  # block PUMBA: (prompt_len, width) of each row for the vectorised layout; block ids
+        if self.block_size:
+            maskable = pool.maskable[rows, :width]
+            blocks = (maskable.int().argmax(-1).to(device), pool.lengths[rows].to(device))
+            group = response_blocks(maskable, self.block_size).to(device)
+        embed = _embedding(model)
+        bridge = make_bridge(cfg)
+        eps = (student_forcing_ratio(self.updates, cfg.student_forcing_k, cfg.student_forcing_floor,
+                                     cfg.student_forcing_warmup) if cfg.student_forcing_k else 1.0)
+        carry = pool.carry[rows, :width].to(device) if pool.carry is not None else None
+        total = torch.zeros((), device=device)
+        passes, metrics = 0, {"masked_fraction": 0.0, "revealed_per_step": 0.0, "active_fraction": 0.0}
+        for _ in range(cfg.window):
+            in_loss = (pool.masked(rows) & ~pool.done[rows][:, None])[:, :width].to(device) & loss_mask
+            active = in_loss.any(-1)
+            if not bool(active.any()):
+                break
+            carry_in = drop_carry(carry, cfg.carry_drop_prob, g)
+            noise = bridge.noise((len(rows), width, embed.weight.shape[0]), g, device)
+            run = _Pass(model, embed, attention, pool.target[rows, :width].to(device), bridge, noise, blocks)
+            args = (pool.canvas[rows, :width].to(device), carry_in, bridge.delta)
+            if cfg.activation_checkpointing and torch.is_grad_enabled():
+                ce, lse, conf, token, hidden, soft = checkpoint(run, *args, use_reentrant=False)
+            else:
+                ce, lse, conf, token, hidden, soft = run(*args)
+            # Selection and commit (no gradient through the policy, Algorithm 1 line 9).
+            keep_truth = (torch.rand(len(rows), width, generator=g) < eps) if eps < 1.0 else None
+            reveal, _ = pool.advance(rows, conf.detach().cpu(), token.detach().cpu(), keep_truth, width)
+            reveal = reveal[:, :width].to(device)
+            step_loss, t, _ = pass_loss(ce, lse, in_loss, loss_mask, reveal, self.weight_cap, self.z_loss, group,
+                                        cfg.balance_lambda)
+            extra = bridge.loss_term(ce, in_loss, active)
+            if extra is not None:
+                total = total + extra
+            total = total + step_loss
+            passes += 1
+            metrics["masked_fraction"] += float(t[active].mean())
+            metrics["revealed_per_step"] += float(reveal.sum(-1).float()[active].mean())
+            metrics["active_fraction"] += float(active.float().mean())
+            # What the next pass receives.
+            if carry is not None:
+                carry = hidden.float()
+            bridge.commit(ce, reveal, soft)
+        loss = total / max(passes, 1)
+        metrics = {k: v / max(passes, 1) for k, v in metrics.items()}
+        metrics["passes"] = float(passes)
+        metrics["tokens"] = float(passes * int(pool.lengths[rows].sum()))  # real canvas positions, not padding
+        metrics["retired"] = float(self._end_window(rows, width, carry))
+        return loss, torch.ones((), device=device), metrics
+
+    def _next_rows(self) -> torch.Tensor:
+        """The chunk of the pool this micro-batch advances (PU+: chunks are visited in turn)."""
+        chunk = self.micro % (self.pool.size // self.batch_size)
+        return torch.arange(chunk * self.batch_size, (chunk + 1) * self.batch_size)
+
+    def _end_window(self, rows: torch.Tensor, width: int, carry: torch.Tensor | None) -> int:
+        """Window boundary (Algorithm 1, line 14): detach and store the carry, refill the retired trajectories;
+        returns how many retired."""
+        pool = self.pool
+        if pool.carry is not None and carry is not None:
+            stored = torch.zeros(len(rows), pool.length, carry.shape[-1])
+            stored[:, :width] = carry.detach().float().cpu()
+            pool.carry[rows] = stored
+        retired = rows[pool.done[rows]]
+        pool.refill(retired)
+        self.micro += 1
+        if self.micro % self.grad_accum == 0:
+            self._end_update()
+        return len(retired)
+
+    def _reinforce(self, logp: torch.Tensor, reward: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+        return reinforce_term(logp, reward, active, self.cfg.reinforce_weight)
+
+    def _end_update(self) -> None:
+        self.updates += 1
+        construction = self.construction()
+        if isinstance(construction, StageConstruction) and construction.K != self.pool.construction.K:
+            self.pool.restart_all(construction)  # a change of K restarts every trajectory (Table 4 note)
+
+    # ---- persistence ----------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        stages = None if self.pool is None else getattr(self.pool.construction, "K", None)
+        return {"generator": self.generator.get_state(), "updates": self.updates, "micro": self.micro,
+                "stages": stages, "pool": None if self.pool is None else self.pool.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.generator.set_state(state["generator"])
+        self.updates, self.micro = state["updates"], state["micro"]
+        if self.pool is None:
+            self._pending_state = state
+        else:
+            self._load_pool(state)
+
+    def _load_pool(self, state: dict) -> None:
+        self.pool.construction = self.construction()
+        if state["pool"] is not None:
+            self.pool.load_state_dict(state["pool"])
+
+
+# ---- the loss of one pass -----------------------------------------------------------------------------------------
+def pass_loss(ce: torch.Tensor, lse: torch.Tensor, in_loss: torch.Tensor, loss_mask: torch.Tensor,
+              reveal: torch.Tensor, weight_cap: float = 5.0, z_loss: float = 1e-5, group: torch.Tensor | None = None,
+              balance_lambda: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, t [B], active [B]) of one pass (App. B.4.2) from per-position CE and log-sum-exp [B, L].
+
+    `in_loss` [B, L]: masked positions in the loss; `loss_mask`: all positions in the loss; t = the masked fraction of
+    each row's positions in the loss. Loss: Σ min(1/t, cap)·CE over `in_loss` (t per block under block PUMBA, with
+    block ids `group`) / |in_loss|, or with `balance_lambda` λ PU+'s λ·mean CE on the positions this step reveals +
+    (1-λ)·mean CE on those still masked (Eq. F.2); plus z-loss · mean lse²; × the fraction of rows still active."""
+    active = in_loss.any(-1)
+    count = in_loss.sum().clamp(min=1)
+    t = in_loss.sum(-1).float() / loss_mask.sum(-1).clamp(min=1).float()
+    if balance_lambda is not None:  # PU+ Eq. F.2
+        def part(sel):
+            return (ce * sel).sum() / sel.sum().clamp(min=1)
+
+        loss = balance_lambda * part(in_loss & reveal) + (1 - balance_lambda) * part(in_loss & ~reveal)
+    else:
+        if group is None:
+            weight = torch.where(active, loss_weight(t.clamp(min=1e-6), weight_cap), 0.0)[:, None]
+        else:  # t_k of each block separately
+            weight = block_weights(in_loss, loss_mask, group, weight_cap)
+        loss = ((weight * ce) * in_loss).sum() / count
+    loss = loss + z_loss * (lse.square() * in_loss).sum() / count
+    return loss * active.float().mean(), t, active
+
+
+def block_weights(in_loss: torch.Tensor, loss_mask: torch.Tensor, group: torch.Tensor, cap: float) -> torch.Tensor:
+    """Per-position weight min(1/t_k, cap), t_k the masked fraction of the position's block [B, L]."""
+    n = int(group.max()) + 1
+    masked = torch.zeros(group.shape[0], n, device=group.device).scatter_add_(1, group, in_loss.float())
+    total = torch.zeros(group.shape[0], n, device=group.device).scatter_add_(1, group, loss_mask.float())
+    t = (masked / total.clamp(min=1)).gather(1, group)
+    return torch.where(in_loss, loss_weight(t.clamp(min=1e-6), cap), 0.0)
+
+
+def drop_carry(carry: torch.Tensor | None, drop_prob: float, generator: torch.Generator) -> torch.Tensor | None:
+    """Carry dropout (Jo et al. 2026): each row's carry is zeroed with probability `drop_prob` (0: always passed)."""
+    if carry is None or drop_prob <= 0:
+        return carry
+    keep = (torch.rand(carry.shape[0], generator=generator) < 1 - drop_prob).to(carry.device)
+    return carry * keep[:, None, None].to(carry.dtype)
+
+
+# ---- discrete bridges (Table 1, App. C.2) ------------------------------------------------------------------------
+class Bridge:
+    """No bridge (plain PU): committed tokens are constants, nothing but the carry crosses from pass to pass.
+
+    A bridge lives for one window. Per pass it may draw `noise` (before the pass), turn the logits into a soft
+    embedding (inside it), add a `loss_term` (before the pass's loss) and, after the commit, prepare `delta`, which
+    the next pass adds to its token embeddings."""
+
+    soft = False  # whether the pass computes a soft embedding q·E
+
+    def __init__(self):
+        self.delta: torch.Tensor | None = None
+
+    def noise(self, shape, generator: torch.Generator, device) -> torch.Tensor | None:
+        return None
+
+    def soft_embedding(self, logits: torch.Tensor, noise: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def loss_term(self, ce: torch.Tensor, in_loss: torch.Tensor, active: torch.Tensor) -> torch.Tensor | None:
+        return None
+
+    def commit(self, ce: torch.Tensor, reveal: torch.Tensor, soft: torch.Tensor | None) -> None:
+        pass
+
+
+class SoftBridge(Bridge):
+    """Straight-through (`temperature` None: q = softmax(logits)) or Gumbel-softmax (q = softmax((logits + g) / T)):
+    committed positions receive q·E - sg(q·E) in the next passes, zero forward and q's gradient backward."""
+
+    soft = True
+
+    def __init__(self, temperature: float | None = None):
+        super().__init__()
+        self.temperature = temperature
+
+    def noise(self, shape, generator, device):
+        if self.temperature is None:
+            return None
+        u = torch.rand(*shape, generator=generator)
+        return (-torch.log(-torch.log(u.clamp(1e-10, 1 - 1e-7)))).to(device)
+
+    def soft_embedding(self, logits, noise, weight):
+        z = logits if noise is None else (logits + noise) / self.temperature
+        return torch.softmax(z, dim=-1) @ weight.float()
+
+    def commit(self, ce, reveal, soft):
+        piece = torch.where(reveal[..., None], soft - soft.detach(), torch.zeros_like(soft))
+        self.delta = piece if self.delta is None else self.delta + piece
+
+
+class ReinforceBridge(Bridge):
+    """REINFORCE: the next pass's negative per-sequence loss rewards log p(committed tokens) of this pass."""
+
+    def __init__(self, weight: float):
+        super().__init__()
+        self.weight, self.logp = weight, None
+
+    def loss_term(self, ce, in_loss, active):
+        if self.logp is None:
+            return None
+        per_seq = ((ce * in_loss).sum(-1) / in_loss.sum(-1).clamp(min=1)).detach()
+        return reinforce_term(self.logp, -per_seq, active, self.weight)
+
+    def commit(self, ce, reveal, soft):
+        self.logp = -(ce * reveal).sum(-1)  # log p(committed tokens) under this pass
+
+
+def make_bridge(cfg) -> Bridge:
+    if cfg.bridge == "straight_through":
+        return SoftBridge()
+    if cfg.bridge == "gumbel":
+        return SoftBridge(cfg.gumbel_temperature)
+    if cfg.bridge == "reinforce":
+        return ReinforceBridge(cfg.reinforce_weight)
+    return Bridge()
+
+
+def reinforce_term(logp: torch.Tensor, reward: torch.Tensor, active: torch.Tensor, weight: float) -> torch.Tensor:
+    """Score-function term with a leave-one-out baseline and normalised advantages (App. C.2)."""
+    r = reward[active]
+    n = r.numel()
+    if n < 2:
+        return torch.zeros((), device=logp.device)
+    baseline = (r.sum() - r) / (n - 1)
+    adv = r - baseline
+    adv = adv / adv.std().clamp(min=1e-6)
+    return -weight * (adv.detach() * logp[active]).mean()
+
+
+# ---- one forward pass ---------------------------------------------------------------------------------------------
+def _embedding(model):
+    inner = getattr(model, "module", model)  # DDP-wrapped
+    return inner.backbone.get_input_embeddings()
+
+
+class _Pass:
+    """One forward pass of a window as a function of (canvas, carry, bridge delta), for activation checkpointing.
+    Returns per-position CE against the targets and log-sum-exp [B, L] (fp32), confidence and argmax [B, L] (no
+    gradient), the last hidden state [B, L, d], and the bridge's soft embedding q·E (or None)."""
+
+    def __init__(self, model, embed, attention, targets, bridge: Bridge, noise, blocks=None):
+        self.model, self.embed, self.attention, self.targets = model, embed, attention, targets
+        self.bridge, self.noise, self.blocks = bridge, noise, blocks
+
+    def __call__(self, ids, carry, delta):
+        if self.blocks is not None:  # block PUMBA: every block's step in one vectorised pass
+            logits, hidden = block_forward(self.model, ids, self.targets, *self.blocks, carry=carry, return_hidden=True)
+        else:
+            kwargs = {"carry": carry, "return_hidden": True}
+            if delta is not None:
+                kwargs["embeds_delta"] = delta
+            logits, hidden = self.model(ids, attention_mask=self.attention, **kwargs)
+        logits = logits.float()
+        lse = torch.logsumexp(logits, dim=-1)
+        ce = lse - logits.gather(-1, self.targets[..., None]).squeeze(-1)
+        with torch.no_grad():
+            conf, token = fast_confidences(logits.detach(), lse.detach(), _mask_id(self.model))
+        soft = self.bridge.soft_embedding(logits, self.noise, self.embed.weight) if self.bridge.soft else None
+        return ce, lse, conf, token, hidden, soft
+
+
+def fast_confidences(logits: torch.Tensor, lse: torch.Tensor, mask_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(max probability, argmax) with the mask token excluded, from logits and their log-sum-exp, without a second
+    [B, L, V] tensor: the same values as `policies.confidences` (up to float rounding)."""
+    top2, idx2 = logits.topk(2, dim=-1)
+    first_is_mask = idx2[..., 0] == mask_id
+    top = torch.where(first_is_mask, top2[..., 1], top2[..., 0])
+    token = torch.where(first_is_mask, idx2[..., 1], idx2[..., 0])
+    # where the mask token is not the argmax its probability is < 1/2 and log1p(-p) is accurate
+    p_mask = torch.exp(logits[..., mask_id] - lse).clamp(max=0.5)
+    lse_without_mask = lse + torch.log1p(-p_mask)
+    if bool(first_is_mask.any()):  # rare: recompute those positions exactly
+        rows = logits[first_is_mask].clone()
+        rows[:, mask_id] = float("-inf")
+        lse_without_mask[first_is_mask] = torch.logsumexp(rows, dim=-1)
+    return torch.exp(top - lse_without_mask), token
+
+
+def _mask_id(model) -> int:
+    inner = getattr(model, "module", model)
+    return inner.spec.mask_token_id
