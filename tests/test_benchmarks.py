@@ -29,9 +29,11 @@ def test_sampling_speed_rows_ratios_and_outputs(saved, tmp_path):  # noqa: F811
     assert {r["threads"] for r in rows} == {1, 2}
     for b in (1, 2):
         best = max(r["tokens_per_s"] for r in ar if r["batch_size"] == b)
+        best_cpu = max(r["tokens_per_cpu_s"] for r in ar if r["batch_size"] == b)
         for r in rows:
             if r["batch_size"] == b:
                 assert r["x_ar_tokens_per_s"] == pytest.approx(r["tokens_per_s"] / best)
+                assert r["x_ar_tokens_per_cpu_s"] == pytest.approx(r["tokens_per_cpu_s"] / best_cpu)
     # the exact cache and recomputation decode the same tokens with the same NFE (per dtype, tau, batch)
     key = lambda r: (r["dtype"], r["threads"], r["confidence_threshold"], r["batch_size"])  # noqa: E731
     kv = {key(r): (r["tokens"], r["mean_nfe"], r["accuracy"]) for r in block if r["kv_cache"]}
@@ -40,6 +42,31 @@ def test_sampling_speed_rows_ratios_and_outputs(saved, tmp_path):  # noqa: F811
     assert all(r["mean_nfe"] <= 8 and 0 <= r["forward_share"] <= 1 for r in rows)
     assert "bfloat16" in out.with_suffix(".md").read_text()
     assert out.with_suffix(".png").stat().st_size > 10_000
+
+
+def test_sampling_speed_profile_rounds_and_paired_counts(saved, tmp_path):  # noqa: F811
+    """--profile splits one decoding per setting and batch size into forward passes; --rounds measures every row in
+    turns (the same tokens each time); every row is paired with the AR's per-problem grades (problems only it
+    solves, problems only the AR solves)."""
+    import sampling_speed
+
+    out = tmp_path / "speed.json"
+    sampling_speed.main(["--ar", str(saved["ar"][1]), "--masked", str(saved["block_carry"][1]),
+                         "--data", str(_data(tmp_path, n=3)), "--n", "3", "--max-new-tokens", "8",
+                         "--batch-sizes", "1,3", "--profile", "--profile-repeats", "2", "--rounds", "3",
+                         "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert [(p["family"], p["batch_size"]) for p in result["profiles"]] == [
+        ("autoregressive", 1), ("autoregressive", 3), ("masked", 1), ("masked", 3)]
+    for p in result["profiles"]:
+        assert p["wall_ms"] >= p["forward_ms"] > 0 and len(p["steps"]) > 0
+    for r in result["rows"]:
+        ar = next(a for a in result["rows"] if a["family"] == "autoregressive" and a["batch_size"] == r["batch_size"])
+        assert len(r["correct"]) == 3 and r["accuracy"] == r["correct"].count("1") / 3
+        assert len(r["wall_s_rounds"]) == 3 and r["same_tokens_every_round"]
+        assert r["wall_s"] == sorted(r["wall_s_rounds"])[1]
+        assert r["only_this"] - r["only_ar"] == r["correct"].count("1") - ar["correct"].count("1")
+    assert "vs AR (paired)" in out.with_suffix(".md").read_text()
 
 
 def test_serve_load_counts_every_request_and_batches_only_when_asked(saved, tmp_path):  # noqa: F811

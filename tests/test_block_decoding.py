@@ -271,3 +271,32 @@ def test_logits_to_keep_is_the_tail_of_the_full_logits(carry):
     torch.testing.assert_close(tail, full[:, -5:])
     with pytest.raises(ValueError, match="align=False"):
         m(ids, logits_to_keep=5)
+
+
+def test_step_cache_equals_a_fresh_cache_per_step():
+    """The KV-cached decoders' step cache (kept keys/values plus room that each step overwrites, rows narrowed in
+    place when they stop) gives bit-identical outputs to a fresh cache of the kept rows built for every step."""
+    from transformers import DynamicCache
+
+    from dlm.sampling.block_cache import StepCache
+
+    m = _full_model(label_shift=True)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, VOCAB, (3, 5), generator=g)
+    valid = torch.ones(3, 9, dtype=torch.long)
+    valid[0, :2] = valid[2, :1] = 0  # left padding: masked keys in the kept part
+    positions = (valid.cumsum(-1) - 1).clamp(min=0)
+    prefix = DynamicCache()
+    m(ids, position_ids=positions[:, :5], cache=prefix, use_cache=True, align=False)
+    kept = [(layer.keys, layer.values) for layer in prefix.layers]
+    cache, rows = StepCache(kept, 4), torch.arange(3)
+    for local in (torch.arange(3), torch.arange(3), torch.tensor([0, 2]), torch.tensor([1])):
+        if len(local) < len(rows):
+            rows = rows[local]
+            cache.select(local)
+        step = torch.randint(3, VOCAB, (len(rows), 4), generator=g)
+        mask = torch.zeros(len(rows), 1, 4, 9).masked_fill_(~valid[rows].bool()[:, None, None], torch.finfo().min)
+        fresh = DynamicCache([(k[rows], v[rows]) for k, v in kept])
+        new, old = (m(step, attention_mask=mask, position_ids=positions[rows, 5:], cache=c, use_cache=True,
+                      align=False) for c in (cache, fresh))
+        assert torch.equal(new, old)

@@ -14,6 +14,10 @@ others waits (no forward pass, no NFE) until the batch moves on; a finished row 
   finished blocks and runs [current block | later blocks] against them; "dual" also caches the later (masked) blocks
   and runs only the current block. Stale keys and values make it an approximation of full recomputation.
 
+Per block, the later steps' attention mask, positions and cache (`StepCache`: the kept keys and values with room for
+the recomputed positions, overwritten in place) are built once and narrowed when rows stop, rather than rebuilt and
+copied at every step.
+
 Under label shift the prediction of a block's first token is the output at the position before the block; it is
 kept from the block's first pass (in the block-causal case that position is clean, so it never changes).
 """
@@ -22,9 +26,43 @@ from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import Cache, DynamicLayer
 
 from dlm.modeling.blocks import block_causal_mask, canvas_blocks
 from dlm.sampling.steps import Progress
+
+
+class _StepLayer(DynamicLayer):
+    """One layer of a `StepCache`: a [R, H, K + W, D] buffer whose first K positions hold the kept keys (values)."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, kept: int):
+        super().__init__()
+        self.keys, self.values, self.kept, self.device, self.is_initialized = keys, values, kept, keys.device, True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        self.keys[:, :, self.kept :] = key_states
+        self.values[:, :, self.kept :] = value_states
+        return self.keys, self.values
+
+
+class StepCache(Cache):
+    """The kept keys and values of a block's steps (the clean context, or Fast-dLLM's cached positions) followed by
+    room for the W positions every step recomputes, which each forward overwrites in place: the same tensors as a
+    fresh cache of [kept | step] per step, without rebuilding and copying the kept part at every step."""
+
+    def __init__(self, kept: list[tuple[torch.Tensor, torch.Tensor]], width: int):
+        layers = []
+        for k, v in kept:
+            R, H, K, D = k.shape
+            keys, values = k.new_empty(R, H, K + width, D), v.new_empty(R, H, K + width, v.shape[-1])
+            keys[:, :, :K], values[:, :, :K] = k, v
+            layers.append(_StepLayer(keys, values, K))
+        super().__init__(layers=layers)
+
+    def select(self, local: torch.Tensor) -> None:
+        """Keep only the rows `local` (indices into the current rows)."""
+        for layer in self.layers:
+            layer.keys, layer.values = layer.keys[local], layer.values[local]
 
 
 def _select(layers: list[tuple[torch.Tensor, torch.Tensor]], rows: torch.Tensor) -> DynamicCache:
@@ -61,7 +99,6 @@ def decode_block_causal(model, canvas, attention, positions, P, block_size, step
     device, spec, dtype = canvas.device, model.spec, next(model.parameters()).dtype
     uses_carry = bool(spec.carry)
     blocks = canvas_blocks(P, L - P, block_size, B, device)
-    noised_from = lambda s: torch.arange(L, device=device)[None, :] >= s  # noqa: E731 (the current and later blocks)
     progress = Progress(canvas, P, eos_id, mask_id, trace)
     prefix, members = None, None  # cached clean keys/values per layer, for the rows in `members`
     for s in range(P, L, block_size):
@@ -72,38 +109,43 @@ def decode_block_causal(model, canvas, attention, positions, P, block_size, step
         # Fused pass: the clean block before this one (or the prompt) and this block's first step.
         c = 0 if s == P else s - block_size
         cache = DynamicCache() if prefix is None else _select(prefix, torch.searchsorted(members, active))
-        noised = noised_from(s)[:, :e].expand(len(active), -1)
+        noised = (torch.arange(e, device=device) >= s).expand(len(active), -1)  # the current block
         mask = block_causal_mask(blocks[active, c:e], noised[:, c:], blocks[active, :e], noised, attention[active, :e],
                                  dtype)
         # The LM head runs only where predictions are read: the block, and under label shift the position before it.
         first = max(s - c - 1, 0) if spec.label_shift else s - c
         inputs = dict(attention_mask=mask, position_ids=positions[active, c:e], cache=cache, use_cache=True,
                       logits_to_keep=e - c - first)
-        hidden = torch.zeros(len(active), e - c, model.config.hidden_size, device=device, dtype=dtype)
-        raw, hidden = _forward(model, canvas[active, c:e], inputs, hidden, noised[:, c:] if uses_carry else None)
+        carry = torch.zeros(len(active), e - c, model.config.hidden_size, device=device, dtype=dtype) \
+            if uses_carry else None  # zero at a block's first step
+        raw, hidden = _forward(model, canvas[active, c:e], inputs, carry, noised[:, c:] if uses_carry else None)
         cache.crop(s - e)  # back to the clean part (a negative count removes that many positions)
         prefix, members = _tensors(cache), active
         boundary = raw[:, 0] if spec.label_shift else None  # raw[:, i] is the output at position c + first + i
         carry = hidden[:, s - c :] if uses_carry else None
-        rows, logits = active, _block_logits(raw[:, s - c - first :], boundary, block_size)
+        rows, logits, step_cache = active, _block_logits(raw[:, s - c - first :], boundary, block_size), None
         while True:
             reveal, confidence = step(canvas, rows, s, logits, canvas[rows, s:e] == mask_id)
             progress.record(rows, s, reveal, confidence)
-            # Later steps: the rows still working on this block, only the block's tokens, against the cache.
-            local = progress.working(active, s, e)
+            local = progress.working(rows, s, e)  # the rows that take another step on this block
             if local is None:
                 break
-            rows = active[local]
-            block_noised = torch.ones(len(rows), block_size, dtype=torch.bool, device=device)
-            mask = block_causal_mask(blocks[rows, s:e], block_noised, blocks[rows, :e],
-                                     noised_from(s)[:, :e].expand(len(rows), -1), attention[rows, :e], dtype)
-            inputs = dict(attention_mask=mask, position_ids=positions[rows, s:e], cache=_select(prefix, local),
-                          use_cache=True)
-            raw, hidden = _forward(model, canvas[rows, s:e], inputs, carry[local] if uses_carry else None,
-                                   block_noised if uses_carry else None)
-            if uses_carry:
-                carry[local] = hidden
-            logits = _block_logits(raw, boundary[local] if boundary is not None else None, block_size)
+            if step_cache is None:
+                # Later steps run the block's tokens against its clean context: their mask, positions and cache are
+                # built at the block's second step for the rows of `active`, and narrowed when rows stop.
+                in_block = noised[:, s:]
+                step_mask = block_causal_mask(blocks[active, s:e], in_block, blocks[active, :e], noised,
+                                              attention[active, :e], dtype)
+                step_positions, step_cache = positions[active, s:e], StepCache(prefix, block_size)
+            if len(local) < len(rows):
+                rows, step_mask, step_positions, in_block = (t[local] for t in (rows, step_mask, step_positions,
+                                                                                 in_block))
+                boundary = boundary[local] if boundary is not None else None
+                carry = carry[local] if uses_carry else None
+                step_cache.select(local)
+            inputs = dict(attention_mask=step_mask, position_ids=step_positions, cache=step_cache, use_cache=True)
+            raw, carry = _forward(model, canvas[rows, s:e], inputs, carry, in_block if uses_carry else None)
+            logits = _block_logits(raw, boundary, block_size)
     return progress.nfe
 
 
@@ -137,16 +179,21 @@ def decode_fast_dllm(model, canvas, attention, positions, P, block_size, step, e
                 for k, v in _tensors(cache)]
         kept_valid = attention[:, :s] if mode == "prefix" else torch.cat([attention[:, :s], attention[:, e:]], 1)
         end = L if mode == "prefix" else e  # the positions each later step recomputes: s..end
-        rows, logits = active, _block_logits(raw[:, s:], boundary, e - s)
+        rows, logits, step_cache = active, _block_logits(raw[:, s:], boundary, e - s), None
         while True:
             reveal, confidence = step(canvas, rows, s, logits, canvas[rows, s:e] == mask_id)
             progress.record(rows, s, reveal, confidence)
-            local = progress.working(active, s, e)
+            local = progress.working(rows, s, e)
             if local is None:
                 break
-            rows = active[local]
-            k_valid = torch.cat([kept_valid[rows], attention[rows, s:end]], 1)
-            raw = model(canvas[rows, s:end], attention_mask=_padding_mask(k_valid, end - s, dtype),
-                        position_ids=positions[rows, s:end], cache=_select(kept, local), use_cache=True, align=False)
-            logits = _block_logits(raw, boundary[local] if boundary is not None else None, e - s)
+            if step_cache is None:  # the block's second step (rows is still `active`): cache and mask, once
+                step_cache = StepCache(kept, end - s)
+                step_mask = _padding_mask(torch.cat([kept_valid[rows], attention[rows, s:end]], 1), end - s, dtype)
+            if len(local) < len(rows):
+                rows, step_mask = rows[local], step_mask[local]
+                boundary = boundary[local] if boundary is not None else None
+                step_cache.select(local)
+            raw = model(canvas[rows, s:end], attention_mask=step_mask, position_ids=positions[rows, s:end],
+                        cache=step_cache, use_cache=True, align=False)
+            logits = _block_logits(raw, boundary, e - s)
     return progress.nfe

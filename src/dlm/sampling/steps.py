@@ -85,8 +85,9 @@ class Progress:
         self.done[rows] = finished(self.canvas[rows, self.P :], self.eos_id, self.mask_id)
         record_step(self.trace, self.canvas, rows, start, reveal, confidence)
 
-    def working(self, active: torch.Tensor, start: int, end: int) -> torch.Tensor | None:
-        """Indices into `active` of its rows that are unfinished and still have a mask in canvas[:, start:end] (the
-        rows that take another step on that block), or None when there are none."""
-        working = ~self.done[active] & (self.canvas[active, start:end] == self.mask_id).any(-1)
-        return working.nonzero().squeeze(1) if bool(working.any()) else None
+    def working(self, rows: torch.Tensor, start: int, end: int) -> torch.Tensor | None:
+        """Indices into `rows` of the rows that are unfinished and still have a mask in canvas[:, start:end] (the rows
+        that take another step on that block), or None when there are none."""
+        working = ~self.done[rows] & (self.canvas[rows, start:end] == self.mask_id).any(-1)
+        local = working.nonzero().squeeze(1)
+        return local if len(local) else None
