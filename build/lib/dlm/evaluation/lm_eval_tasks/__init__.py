@@ -1,1 +1,0 @@
-"""dlm's packaged lm-eval tasks: the YAMLs in this folder (on lm-eval's --include_path) and their hooks."""
