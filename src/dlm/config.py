@@ -104,6 +104,9 @@ class TrainConfig(_Strict):
                                        "(and counted); after this many in a row the run stops, keeping its last "
                                        "checkpoint")
     lora: LoraConfig | None = Field(None, description="LoRA adapters instead of full fine-tuning (null = full)")
+    activation_checkpointing: bool = Field(False, description="recompute each backbone layer's activations in the "
+                                           "backward pass instead of keeping them (every objective): less memory, "
+                                           "about one more forward of compute")
 
     @model_validator(mode="after")
     def _lora_precision(self):
@@ -195,6 +198,18 @@ class SimplexConfig(_Strict):
                                                   "(§3.2)")
 
 
+class ScaleConfig(_Strict):
+    """How a recipe is meant to be launched at size; read by `dlm train RECIPE --dry-run` (training itself takes its
+    parallelism from `accelerate launch`)."""
+
+    accelerate_config: str | None = Field(None, description="the accelerate config under recipes/accelerate/ this "
+                                          "recipe expects (e.g. recipes/accelerate/fsdp2.yaml); null = one process")
+    num_processes: int = Field(1, gt=0, description="processes (GPUs) the recipe is sized for: global batch = "
+                               "batch_size × grad_accum × num_processes")
+    gpu: str = Field("H100-80GB", description="accelerator the dry run estimates memory and time for")
+    mfu: float = Field(0.4, gt=0, le=1, description="model FLOPs utilisation the dry run's time per update assumes")
+
+
 class EvalConfig(SamplingSettings):
     """In-run evaluation, and the sampler it uses: every family's sampling options, flat (eval.reveal_count,
     eval.inference_steps, ...), defined once in `dlm.sampling.options`; each model takes its family's share
@@ -218,6 +233,7 @@ class Recipe(_Strict):
     progressive: ProgressiveConfig = ProgressiveConfig()
     simplex: SimplexConfig = SimplexConfig()
     eval: EvalConfig = EvalConfig()
+    scale: ScaleConfig = ScaleConfig()
 
 
     @model_validator(mode="after")
