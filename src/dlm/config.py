@@ -104,9 +104,11 @@ class TrainConfig(_Strict):
                                        "(and counted); after this many in a row the run stops, keeping its last "
                                        "checkpoint")
     lora: LoraConfig | None = Field(None, description="LoRA adapters instead of full fine-tuning (null = full)")
-    activation_checkpointing: bool = Field(False, description="recompute each backbone layer's activations in the "
-                                           "backward pass instead of keeping them (every objective): less memory, "
-                                           "about one more forward of compute")
+    activation_checkpointing: bool = Field(False, description="recompute each backbone decoder layer's activations "
+                                           "in the backward pass instead of keeping them (every objective): less "
+                                           "memory, about one more forward of the layers. Independent of "
+                                           "progressive.activation_checkpointing (whole PU passes); both together "
+                                           "nest and run the layers three times per pass")
 
     @model_validator(mode="after")
     def _lora_precision(self):
@@ -145,8 +147,10 @@ class ProgressiveConfig(_Strict):
     carry_positions: Literal["all", "masked"] = Field("all", description="where the carry is added")
     carry_drop_prob: float = Field(0.0, ge=0, lt=1, description="probability that a step's carry is zeroed, per "
                                    "sequence (carry dropout, Jo et al. 2026); 0 = always passed (the paper's setting)")
-    activation_checkpointing: bool = Field(False, description="recompute each pass in backward so memory does not "
-                                           "grow W-fold")
+    activation_checkpointing: bool = Field(False, description="recompute each whole pass (layers, LM head, loss "
+                                           "terms) in backward so memory does not grow W-fold; keeps only each "
+                                           "pass's inputs and outputs. Per-layer checkpointing inside a pass is "
+                                           "train.activation_checkpointing; they combine")
     pad_in_loss: bool = Field(False, description="padding after the first EOS is maskable and in the loss (TinyGSM "
                               "setting, §B.3) instead of attended and maskable but out of the loss (§B.4.1)")
     # Ablations

@@ -119,6 +119,22 @@ class DiffusionLM(nn.Module):
     def config(self):
         return self.backbone.config
 
+    def enable_activation_checkpointing(self) -> None:
+        """Recompute each decoder layer in the backward pass instead of keeping its activations (train mode, gradients
+        on). Non-reentrant `torch.utils.checkpoint`: it replays dropout with the saved RNG state, lets gradients reach
+        adapters behind frozen embeddings (LoRA) without making the embeddings' output require grad, and fires DDP's
+        hooks once. Hooks on a layer stay outside the checkpoint (transformers checkpoints `forward`, not the call);
+        everything around the layers (embeddings, carry, timestep embedding, final norm, heads) runs once."""
+        if not getattr(self.backbone, "supports_gradient_checkpointing", False):
+            raise ValueError(f"train.activation_checkpointing: {type(self.backbone).__name__} has no checkpointable "
+                             "decoder layers; turn it off for this backbone")
+        self.backbone.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        self.backbone.disable_input_require_grads()  # only reentrant checkpointing needs the embeddings hook
+
+    @property
+    def activation_checkpointing(self) -> bool:
+        return bool(getattr(self.backbone.base_model, "gradient_checkpointing", False))
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 carry: torch.Tensor | None = None, return_hidden: bool = False,
                 embeds_delta: torch.Tensor | None = None, align: bool = True,

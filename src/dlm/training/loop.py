@@ -106,6 +106,8 @@ class Trainer:
 
         set_seed(tc.seed)
         model = build_model(recipe, self.tok)
+        if tc.activation_checkpointing:
+            model.enable_activation_checkpointing()
         self.n_params = count_parameters(model)
         trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: adapters + dlm's modules
         self.n_trainable = sum(p.numel() for p in trainable)
