@@ -160,7 +160,7 @@ class DiffusionLM(nn.Module):
                 if not self.spec.carry:
                     raise ValueError("this model has no carry layer (build it with a carry: spec.carry / masked.carry)")
                 padding = carry_mask
-                if padding is None and attention_mask is not None and attention_mask.ndim == 2:
+                if padding is None and isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2:
                     padding = attention_mask
                 added = carry_input(getattr(self.backbone, CARRY_MODULE), carry, input_ids, self.spec.mask_token_id,
                                     self.spec.label_shift, self.spec.carry_positions, padding)

@@ -9,26 +9,43 @@ and the KV cache:
   block);
 - a noised position attends to the clean positions of earlier blocks and to the noised positions of its own block.
 
-Masks are additive float tensors [B, 1, Q, K] (0 where attended, the dtype's minimum elsewhere): transformers' eager
-and sdpa attention both take them as given (a boolean 4-D mask is ignored by eager; ../shared/environment.md). The
-rule is a pure function of per-position (block, noised, valid) facts, so a flex-attention `mask_mod` on GPU can
-evaluate the same predicate.
+Two ways to hand the rule to the backbone (`backend`):
+
+- "dense": an additive float mask [B, 1, Q, K] (0 where attended, the dtype's minimum elsewhere), which transformers'
+  eager and sdpa attention take as given (a boolean 4-D mask is ignored by eager; ../shared/environment.md). Memory
+  and time grow with Q·K: the CPU path and the reference.
+- "flex": a flex-attention `BlockMask` built by `create_block_mask` from a `mask_mod` that evaluates the same
+  `block_rule` per (query, key); the backbone runs with attn_implementation "flex_attention" (transformers passes a
+  4-D `BlockMask` through unchanged to `flex_attention_forward`). Only the tiles the rule allows are computed.
+- "auto" (the default): the environment variable DLM_BLOCK_ATTENTION=dense|flex when set, else flex on CUDA and
+  dense elsewhere.
 """
 
 from __future__ import annotations
 
+import os
+from typing import Literal
+
 import torch
+
+BlockAttention = Literal["dense", "flex", "auto"]
+BLOCK_ATTENTION_ENV = "DLM_BLOCK_ATTENTION"
+
+
+def block_rule(q_block: torch.Tensor, q_noised: torch.Tensor, k_block: torch.Tensor,
+               k_noised: torch.Tensor) -> torch.Tensor:
+    """The rule above, elementwise on broadcastable tensors (the one definition both backends evaluate)."""
+    clean_rule = ~k_noised & (k_block <= q_block)
+    noised_rule = (~k_noised & (k_block < q_block)) | (k_noised & (k_block == q_block))
+    return torch.where(q_noised, noised_rule, clean_rule)
 
 
 def block_causal_allowed(q_block: torch.Tensor, q_noised: torch.Tensor, k_block: torch.Tensor,
                          k_noised: torch.Tensor, k_valid: torch.Tensor | None = None) -> torch.Tensor:
     """Boolean [B, Q, K]: may query q attend to key k (the rule above). Inputs are [B, Q] for queries and [B, K] for
     keys; `k_valid` (bool/int, [B, K]) removes padding keys."""
-    qb, qn = q_block[:, :, None], q_noised[:, :, None].bool()
-    kb, kn = k_block[:, None, :], k_noised[:, None, :].bool()
-    clean_rule = ~kn & (kb <= qb)
-    noised_rule = (~kn & (kb < qb)) | (kn & (kb == qb))
-    allowed = torch.where(qn, noised_rule, clean_rule)
+    allowed = block_rule(q_block[:, :, None], q_noised[:, :, None].bool(), k_block[:, None, :],
+                         k_noised[:, None, :].bool())
     if k_valid is not None:
         allowed = allowed & k_valid[:, None, :].bool()
     return allowed
@@ -45,6 +62,82 @@ def block_causal_mask(q_block: torch.Tensor, q_noised: torch.Tensor, k_block: to
     allowed = allowed | ~allowed.any(-1, keepdim=True)
     mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
     return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+
+
+def attends_nothing(q_block: torch.Tensor, q_noised: torch.Tensor, k_block: torch.Tensor, k_noised: torch.Tensor,
+                    k_valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Boolean [B, Q]: queries the rule lets attend to no key (padding rows), without the [B, Q, K] grid: a clean
+    query needs a valid clean key of block <= its own, a noised one a valid clean key of an earlier block or a valid
+    noised key of its own block."""
+    valid = torch.ones_like(k_block, dtype=torch.bool) if k_valid is None else k_valid.bool()
+    kn, qn = k_noised.bool(), q_noised.bool()
+    n = int(max(int(q_block.max()), int(k_block.max()))) + 1
+    lowest_clean = torch.where(valid & ~kn, k_block, n).amin(-1, keepdim=True)  # [B, 1]
+    noised_blocks = torch.zeros(k_block.shape[0], n + 1, dtype=torch.bool, device=k_block.device)
+    noised_blocks.scatter_(1, torch.where(valid & kn, k_block, n), True)
+    noised_ok = (lowest_clean < q_block) | noised_blocks.gather(1, q_block)
+    return ~torch.where(qn, noised_ok, lowest_clean <= q_block)
+
+
+def block_causal_block_mask(q_block: torch.Tensor, q_noised: torch.Tensor, k_block: torch.Tensor | None = None,
+                            k_noised: torch.Tensor | None = None, k_valid: torch.Tensor | None = None):
+    """The flex-attention `BlockMask` of `block_causal_mask` (same arguments): `block_rule` per (query, key), padding
+    keys removed, and rows that may attend to nothing opened to every key as the dense mask does (`attends_nothing`),
+    so both backends compute the same attention."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    if k_block is None:
+        k_block, k_noised = q_block, q_noised
+    qn, kn = q_noised.bool(), k_noised.bool()
+    valid = torch.ones_like(k_block, dtype=torch.bool) if k_valid is None else k_valid.bool()
+    empty = attends_nothing(q_block, qn, k_block, kn, valid)
+
+    def mask_mod(b, h, q, k):
+        return (block_rule(q_block[b, q], qn[b, q], k_block[b, k], kn[b, k]) & valid[b, k]) | empty[b, q]
+
+    B, Q, K = q_block.shape[0], q_block.shape[1], k_block.shape[1]
+    device = q_block.device
+    # compiled on CUDA: the mask is built tile by tile instead of evaluating the [B, Q, K] grid at once
+    return create_block_mask(mask_mod, B, None, Q, K, device=device, _compile=device.type == "cuda")
+
+
+def block_attention_backend(backend: BlockAttention = "auto", device: torch.device | str | None = None) -> str:
+    """"dense" or "flex": `backend` itself, or for "auto" the DLM_BLOCK_ATTENTION environment variable when set, else
+    flex on CUDA and dense elsewhere."""
+    if backend == "auto":
+        backend = os.environ.get(BLOCK_ATTENTION_ENV, "").strip().lower() or (
+            "flex" if torch.device(device or "cpu").type == "cuda" else "dense")
+        where = f"environment variable {BLOCK_ATTENTION_ENV}"
+    else:
+        where = "backend argument"
+    if backend not in ("dense", "flex"):
+        raise ValueError(f"{where}: unknown block attention {backend!r}; choose dense or flex (or auto)")
+    return backend
+
+
+def use_block_attention(model, backend: str) -> None:
+    """Run the backbone with the attention implementation `backend` needs: flex_attention for a BlockMask; back to
+    sdpa for a dense mask if it was on flex. Persistent (transformers reads it at call time, also when checkpointed
+    layers are recomputed in backward); not saved with the model."""
+    backbone = getattr(model, "module", model).backbone
+    current = backbone.config._attn_implementation
+    if backend == "flex" and current != "flex_attention":
+        backbone.set_attn_implementation("flex_attention")
+    elif backend == "dense" and current == "flex_attention":
+        backbone.set_attn_implementation("sdpa")
+
+
+def block_attention_mask(q_block: torch.Tensor, q_noised: torch.Tensor, k_block: torch.Tensor | None = None,
+                         k_noised: torch.Tensor | None = None, k_valid: torch.Tensor | None = None,
+                         dtype: torch.dtype = torch.float32, backend: BlockAttention = "auto", model=None):
+    """The block-causal attention mask for `backend` (a dense additive mask or a BlockMask); with `model`, also
+    switches its backbone to the implementation that takes it (`use_block_attention`)."""
+    backend = block_attention_backend(backend, q_block.device)
+    if model is not None:
+        use_block_attention(model, backend)
+    if backend == "flex":
+        return block_causal_block_mask(q_block, q_noised, k_block, k_noised, k_valid)
+    return block_causal_mask(q_block, q_noised, k_block, k_noised, k_valid, dtype)
 
 
 def canvas_blocks(prompt_len: int, gen_length: int, block_size: int, batch: int = 1,
@@ -111,7 +204,8 @@ class VectorisedLayout:
     """The interleaved training layout of a batch of logical canvases (rows of different prompt lengths and block
     counts, right-padded). Tensors: `src`, `noised`, `block`, `valid`, `position_ids` [B, T] in the raw layout;
     `noised_at` (raw index of the noised copy of logical position i) and `pred_at` (raw index of the output that
-    predicts logical token i) [B, W] for the response positions (0 elsewhere); `mask` [B, 1, T, T]."""
+    predicts logical token i) [B, W] for the response positions (0 elsewhere); `mask(backend)` its attention mask
+    (dense [B, 1, T, T] or a BlockMask)."""
 
     def __init__(self, prompt_len: torch.Tensor, width: torch.Tensor, block_size: int, label_shift: bool,
                  device: torch.device | str | None = None, dtype: torch.dtype = torch.float32):
@@ -136,7 +230,11 @@ class VectorisedLayout:
         self.src, self.noised, self.block, self.valid = (x.to(device) for x in (src, noised, block, valid))
         self.noised_at, self.pred_at = self.noised_at.to(device), self.pred_at.to(device)
         self.position_ids = self.src
-        self.mask = block_causal_mask(self.block, self.noised, k_valid=self.valid, dtype=dtype)
+        self.dtype = dtype
+
+    def mask(self, backend: BlockAttention = "auto", model=None):
+        return block_attention_mask(self.block, self.noised, k_valid=self.valid, dtype=self.dtype, backend=backend,
+                                    model=model)
 
     def inputs(self, canvas: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """Raw input ids: the noised copies from `canvas` (masks and committed tokens), everything else from
@@ -154,11 +252,11 @@ class VectorisedLayout:
 
 
 def block_forward(model, canvas: torch.Tensor, target: torch.Tensor, prompt_len: torch.Tensor, width: torch.Tensor,
-                  carry: torch.Tensor | None = None, return_hidden: bool = False):
+                  carry: torch.Tensor | None = None, return_hidden: bool = False, backend: BlockAttention = "auto"):
     """One vectorised pass of a block-causal model over logical canvases [B, W]: `canvas` holds the noised state of
     every block, `target` the clean tokens. Returns logits [B, W, V] aligned to the logical positions (index i
     predicts token i; meaningful on response positions) and, with `return_hidden`, the noised copies' last hidden
-    states [B, W, d] (the next step's carry)."""
+    states [B, W, d] (the next step's carry). `backend`: how the mask reaches attention (module docstring)."""
     inner = getattr(model, "module", model)
     spec = inner.spec
     if spec.block_size is None:
@@ -168,7 +266,8 @@ def block_forward(model, canvas: torch.Tensor, target: torch.Tensor, prompt_len:
     extra = {}
     if carry is not None:  # only the noised copies pass a carry on (clean copies and the prompt add nothing)
         extra = {"carry": layout.raw_carry(carry), "carry_mask": layout.noised & layout.valid}
-    out = model(layout.inputs(canvas, target), attention_mask=layout.mask, position_ids=layout.position_ids,
+    out = model(layout.inputs(canvas, target), attention_mask=layout.mask(backend, model),
+                position_ids=layout.position_ids,
                 return_hidden=return_hidden or carry is not None, align=False, **extra)
     logits, hidden = out if isinstance(out, tuple) else (out, None)
     logits = layout.logical(logits, layout.pred_at)
