@@ -1,6 +1,7 @@
 """Block masks that scale: the flex-attention BlockMask evaluates the same rule as the dense mask (element by element
 and tile by tile), and a block-causal model gives the same logits through flex_attention as through sdpa, for the
-vectorised training layout and for block decoding with a KV cache. On CPU transformers compiles flex_attention (gcc):
+vectorised training layout and for block decoding with a KV cache; a backbone switched to take BlockMasks computes
+dense and 2-D masks exactly as before. On CPU transformers compiles flex_attention (gcc):
 the first logits test pays ~10 s of compile."""
 
 import os
@@ -14,6 +15,7 @@ from transformers import DynamicCache
 from dlm.data.canvas import Example, collate
 from dlm.modeling.blocks import (
     BLOCK_ATTENTION_ENV,
+    SDPA_OR_FLEX,
     VectorisedLayout,
     attends_nothing,
     block_attention_backend,
@@ -23,6 +25,7 @@ from dlm.modeling.blocks import (
     block_causal_mask,
     block_forward,
     canvas_blocks,
+    use_block_attention,
 )
 from tests.conftest import tiny_model
 
@@ -125,7 +128,14 @@ def test_flex_logits_equal_dense_for_training_layout_and_block_decoding(monkeypa
     with torch.no_grad():
         dense, dense_hidden = block_forward(model, *args, carry=carry, return_hidden=True, backend="dense")
         flex, flex_hidden = block_forward(model, *args, carry=carry, return_hidden=True, backend="flex")
-        assert model.backbone.config._attn_implementation == "flex_attention"
+        assert model.backbone.config._attn_implementation == SDPA_OR_FLEX
+        # dense and 2-D masks still go through sdpa on the switched backbone: bit for bit what they gave before
+        assert torch.equal(block_forward(model, *args, carry=carry, backend="dense"), dense)
+        plain = tiny_model(64, attention="bidirectional", family="masked", seed=4)
+        ids, ones = b["input_ids"], torch.ones_like(b["input_ids"])
+        before = plain(ids, attention_mask=ones)
+        use_block_attention(plain)
+        assert torch.equal(plain(ids, attention_mask=ones), before)
         response = b["maskable"]
         torch.testing.assert_close(flex[response], dense[response], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(flex_hidden[response], dense_hidden[response], atol=1e-5, rtol=1e-5)
@@ -143,7 +153,6 @@ def test_flex_logits_equal_dense_for_training_layout_and_block_decoding(monkeypa
             cache = DynamicCache()
             mask = block_attention_mask(blocks[:, :P + S], noised, blocks[:, :P + S], noised,
                                         attention[:, :P + S], backend=backend, model=model)
-            assert model.backbone.config._attn_implementation == {"dense": "sdpa", "flex": "flex_attention"}[backend]
             first = model(ids[:, :P + S], attention_mask=mask, position_ids=positions[:, :P + S], cache=cache,
                           use_cache=True, align=False)
             cache.crop(-S)

@@ -15,8 +15,10 @@ Two ways to hand the rule to the backbone (`backend`):
   eager and sdpa attention take as given (a boolean 4-D mask is ignored by eager; ../shared/environment.md). Memory
   and time grow with Q·K: the CPU path and the reference.
 - "flex": a flex-attention `BlockMask` built by `create_block_mask` from a `mask_mod` that evaluates the same
-  `block_rule` per (query, key); the backbone runs with attn_implementation "flex_attention" (transformers passes a
-  4-D `BlockMask` through unchanged to `flex_attention_forward`). Only the tiles the rule allows are computed.
+  `block_rule` per (query, key), handed to transformers' `flex_attention_forward` (the attn_implementation
+  "flex_attention" function; a 4-D `BlockMask` passes mask preparation unchanged). The backbone is switched to an
+  implementation that runs it for a BlockMask and sdpa for every other mask (`use_block_attention`), so a model
+  trained through flex still decodes and evaluates through sdpa. Only the tiles the rule allows are computed.
 - "auto" (the default): the environment variable DLM_BLOCK_ATTENTION=dense|flex when set, else flex on CUDA and
   dense elsewhere.
 """
@@ -115,27 +117,46 @@ def block_attention_backend(backend: BlockAttention = "auto", device: torch.devi
     return backend
 
 
-def use_block_attention(model, backend: str) -> None:
-    """Run the backbone with the attention implementation `backend` needs: flex_attention for a BlockMask; back to
-    sdpa for a dense mask if it was on flex. Persistent (transformers reads it at call time, also when checkpointed
-    layers are recomputed in backward); not saved with the model."""
+SDPA_OR_FLEX = "dlm_sdpa_or_flex"
+
+
+def _sdpa_or_flex(module, query, key, value, attention_mask, **kwargs):
+    """transformers' flex_attention_forward for a BlockMask, its sdpa_attention_forward for anything else."""
+    from torch.nn.attention.flex_attention import BlockMask
+    from transformers.integrations.flex_attention import flex_attention_forward
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    forward = flex_attention_forward if isinstance(attention_mask, BlockMask) else sdpa_attention_forward
+    return forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def use_block_attention(model) -> None:
+    """Let the backbone take a BlockMask: its attention implementation becomes one registered with transformers that
+    runs flex_attention on a BlockMask and sdpa on dense and 2-D masks, so every other call (decoding, evaluation,
+    the recompute of checkpointed layers) computes what it computed before. Not saved with the model."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
     backbone = getattr(model, "module", model).backbone
-    current = backbone.config._attn_implementation
-    if backend == "flex" and current != "flex_attention":
-        backbone.set_attn_implementation("flex_attention")
-    elif backend == "dense" and current == "flex_attention":
-        backbone.set_attn_implementation("sdpa")
+    if backbone.config._attn_implementation == SDPA_OR_FLEX:
+        return
+    if backbone.config._attn_implementation != "sdpa":
+        raise ValueError(f"block attention backend flex: the backbone runs {backbone.config._attn_implementation} "
+                         "attention, expected sdpa; use the dense backend (DLM_BLOCK_ATTENTION=dense)")
+    AttentionInterface.register(SDPA_OR_FLEX, _sdpa_or_flex)
+    AttentionMaskInterface.register(SDPA_OR_FLEX, sdpa_mask)
+    backbone.set_attn_implementation(SDPA_OR_FLEX)
 
 
 def block_attention_mask(q_block: torch.Tensor, q_noised: torch.Tensor, k_block: torch.Tensor | None = None,
                          k_noised: torch.Tensor | None = None, k_valid: torch.Tensor | None = None,
                          dtype: torch.dtype = torch.float32, backend: BlockAttention = "auto", model=None):
-    """The block-causal attention mask for `backend` (a dense additive mask or a BlockMask); with `model`, also
-    switches its backbone to the implementation that takes it (`use_block_attention`)."""
+    """The block-causal attention mask for `backend` (a dense additive mask or a BlockMask); for a BlockMask, `model`'s
+    backbone is made to accept it (`use_block_attention`)."""
     backend = block_attention_backend(backend, q_block.device)
-    if model is not None:
-        use_block_attention(model, backend)
     if backend == "flex":
+        if model is not None:
+            use_block_attention(model)
         return block_causal_block_mask(q_block, q_noised, k_block, k_noised, k_valid)
     return block_causal_mask(q_block, q_noised, k_block, k_noised, k_valid, dtype)
 
