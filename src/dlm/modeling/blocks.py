@@ -32,6 +32,7 @@ import torch
 
 BlockAttention = Literal["dense", "flex", "auto"]
 BLOCK_ATTENTION_ENV = "DLM_BLOCK_ATTENTION"
+_TILE = 128  # flex attention's sparse block size (its default)
 
 
 def block_rule(q_block: torch.Tensor, q_noised: torch.Tensor, k_block: torch.Tensor,
@@ -90,17 +91,22 @@ def block_causal_block_mask(q_block: torch.Tensor, q_noised: torch.Tensor, k_blo
 
     if k_block is None:
         k_block, k_noised = q_block, q_noised
-    qn, kn = q_noised.bool(), k_noised.bool()
+    B, Q, K = q_block.shape[0], q_block.shape[1], k_block.shape[1]
     valid = torch.ones_like(k_block, dtype=torch.bool) if k_valid is None else k_valid.bool()
-    empty = attends_nothing(q_block, qn, k_block, kn, valid)
+    empty = attends_nothing(q_block, q_noised, k_block, k_noised, valid)
+
+    def padded(x, length):  # mask_mod may be called at indices up to the next whole tile (pytorch/pytorch#137801)
+        return torch.nn.functional.pad(x, (0, -length % _TILE))
+
+    qb, qn, empty = padded(q_block, Q), padded(q_noised.bool(), Q), padded(empty, Q)
+    kb, kn, valid = padded(k_block, K), padded(k_noised.bool(), K), padded(valid, K)
 
     def mask_mod(b, h, q, k):
-        return (block_rule(q_block[b, q], qn[b, q], k_block[b, k], kn[b, k]) & valid[b, k]) | empty[b, q]
+        return (block_rule(qb[b, q], qn[b, q], kb[b, k], kn[b, k]) & valid[b, k]) | empty[b, q]
 
-    B, Q, K = q_block.shape[0], q_block.shape[1], k_block.shape[1]
     device = q_block.device
     # compiled on CUDA: the mask is built tile by tile instead of evaluating the [B, Q, K] grid at once
-    return create_block_mask(mask_mod, B, None, Q, K, device=device, _compile=device.type == "cuda")
+    return create_block_mask(mask_mod, B, None, Q, K, device=device, BLOCK_SIZE=_TILE, _compile=device.type == "cuda")
 
 
 def block_attention_backend(backend: BlockAttention = "auto", device: torch.device | str | None = None) -> str:
