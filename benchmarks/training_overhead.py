@@ -12,6 +12,15 @@ allocator keeps after freeing); (2) `live_peak_mib`, the CPU counterpart of max_
 runs under a dispatch mode that follows every tensor storage from creation to release, and reports the peak of
 the bytes alive at once, plus the parameters and optimizer state that exist before the update. Goals (issue 4):
 PU ≤ 1.10 × MDM; W-step BPTT ≤ 1.05 × W × (carry W=1) per update; peak memory at W=8 with checkpointing ≤ 2 × W=1.
+
+Backbone activation checkpointing (issue 14): `*_layers` configurations recompute every decoder layer in backward
+(train.activation_checkpointing) for MDM, block MDM (blocks of 16) and PU + carry at W=1, 2, 4; `w4_both` adds it to
+PU's per-pass checkpointing. Each reports `time_vs_plain` and `live_memory_vs_plain` against the same configuration
+without it:
+
+    python benchmarks/training_overhead.py --preset small --batch-size 16 --updates 2 --warmup 1 \
+        --configs mdm,mdm_layers,block_mdm,block_mdm_layers,w1,w1_layers,w2,w2_layers,w4,w4_layers,w4_ckpt,w4_both \
+        --out docs/results/training-overhead-layers.json
 """
 
 from __future__ import annotations
@@ -38,7 +47,19 @@ CONFIGS = {
     "w8_ckpt": ["train.objective=pu", "progressive.reveal_count=4", "progressive.carry=true", "progressive.window=8",
                 "progressive.activation_checkpointing=true"],
 }
-WINDOW = {"mdm": 1, "pu": 1, "w1": 1, "w2": 2, "w4": 4, "w8": 8, "w2_ckpt": 2, "w4_ckpt": 4, "w8_ckpt": 8}
+# Backbone activation checkpointing (train.activation_checkpointing: every decoder layer recomputed in backward),
+# each "<name>_layers" configuration against "<name>" without it; "_both" adds it to PU's per-pass checkpointing.
+BLOCK = ["train.objective=mdm", "model.attention=block_causal", "model.block_size=16"]
+CONFIGS["block_mdm"] = BLOCK
+LAYERS = "train.activation_checkpointing=true"
+PLAIN = {}
+for name in ("mdm", "block_mdm", "w1", "w2", "w4", "w4_ckpt"):
+    layered = ("w4_both" if name == "w4_ckpt" else f"{name}_layers")
+    CONFIGS[layered] = CONFIGS[name] + [LAYERS]
+    PLAIN[layered] = name
+WINDOW = {"mdm": 1, "pu": 1, "w1": 1, "w2": 2, "w4": 4, "w8": 8, "w2_ckpt": 2, "w4_ckpt": 4, "w8_ckpt": 8,
+          "block_mdm": 1, "mdm_layers": 1, "block_mdm_layers": 1, "w1_layers": 1, "w2_layers": 2, "w4_layers": 4,
+          "w4_both": 4}
 
 
 def child(args) -> None:
@@ -191,6 +212,11 @@ def main() -> None:
                 r["live_memory_vs_w1"] = r["live_peak_mib"] / w1["live_peak_mib"]
         if mdm and r.get("live_peak_mib") and mdm.get("live_peak_mib"):
             r["live_memory_vs_mdm"] = r["live_peak_mib"] / mdm["live_peak_mib"]
+        plain = results.get(PLAIN.get(name))
+        if plain:  # backbone checkpointing on vs off, same objective
+            r["time_vs_plain"] = r["median_s"] / plain["median_s"]
+            if r.get("live_peak_mib") and plain.get("live_peak_mib"):
+                r["live_memory_vs_plain"] = r["live_peak_mib"] / plain["live_peak_mib"]
     meta = {"command": " ".join(sys.argv), "preset": args.preset, "batch_size": args.batch_size,
             "canvas": 144, "updates_timed": args.updates,
             "machine": f"{platform.machine()} {platform.processor()}".strip(), "date": time.strftime("%Y-%m-%d"),
