@@ -27,18 +27,21 @@ from dlm.modeling.formats import FORMATS
 GiB = 1024**3
 
 # Published configs of the checkpoints the scale recipes start from, used when `model.init_from` is not on this
-# machine; matched by a regular expression searched in its lower-cased basename. Values: the checkpoints' config.json (LLaDA-8B as
-# quoted in dlm.modeling.formats; Dream-7B = Qwen2.5-7B's architecture; Mistral-7B-v0.1).
+# machine; matched by a regular expression searched in its lower-cased basename. Values: the checkpoints'
+# config.json (LLaDA-8B as quoted in dlm.modeling.formats; Dream-7B = Qwen2.5-7B's architecture; Mistral-7B-v0.1).
 KNOWN_CONFIGS: dict[str, tuple[str, str, dict]] = {
-    r"llada-?8b": ("LLaDA-8B", "llama", dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
-                               intermediate_size=12288, vocab_size=126464, tie_word_embeddings=False,
-                               rope_theta=500000.0, max_position_embeddings=8192)),
-    r"dream": ("Dream-7B", "qwen2", dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-                            intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False, rope_theta=1e6,
-                            max_position_embeddings=131072)),
-    r"mistral-?7b": ("Mistral-7B-v0.1", "mistral", dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
-                                   num_key_value_heads=8, intermediate_size=14336, vocab_size=32000,
-                                   tie_word_embeddings=False, rope_theta=10000.0, max_position_embeddings=32768)),
+    r"llada-?8b": ("LLaDA-8B", "llama", dict(
+        hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+        intermediate_size=12288, vocab_size=126464, tie_word_embeddings=False, rope_theta=500000.0,
+        max_position_embeddings=8192)),
+    r"dream": ("Dream-7B", "qwen2", dict(
+        hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+        intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False, rope_theta=1e6,
+        max_position_embeddings=131072)),
+    r"mistral-?7b": ("Mistral-7B-v0.1", "mistral", dict(
+        hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+        intermediate_size=14336, vocab_size=32000, tie_word_embeddings=False, rope_theta=10000.0,
+        max_position_embeddings=32768)),
 }
 
 FORMULAS = {
@@ -61,7 +64,7 @@ FORMULAS = {
     "flops": "per position: forward 2*N_mm + 4*L*h*s (PaLM App. B: attention over s positions; block-causal masks "
              "skip some, so an upper bound); backward 2x forward for trainable weights, 1x (input grads only) for "
              "frozen ones; + one forward per checkpointing level; x W passes (PU); + p forwards (simplex "
-             "self-conditioning); N_mm = params in matmuls (all but an untied input embedding)",
+             "self-conditioning); N_mm = matrix params (not norms, not an untied input embedding)",
     "time": "FLOPs per update / (num_processes x GPU peak bf16 dense x mfu)",
 }
 
@@ -229,7 +232,8 @@ def estimate(recipe: Recipe, recipe_path: str | Path | None = None) -> dict:
     frozen = total - trainable
     embed = model.backbone.get_input_embeddings().weight.numel()
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
-    n_mm = total if tied else total - embed  # an untied input embedding is a lookup, not a matmul
+    # weights of matmuls: not norms, not an untied input embedding (a lookup); a tied one is the LM head's matrix
+    n_mm = sum(p.numel() for p in params if p.ndim >= 2) - (0 if tied else embed)
     n_mm_trainable = sum(p.numel() for p in params if p.requires_grad and p.ndim >= 2) - (
         0 if tied or not model.backbone.get_input_embeddings().weight.requires_grad else embed)
 
