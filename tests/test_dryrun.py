@@ -232,3 +232,47 @@ def test_cli_json_equals_the_estimate_and_flags_what_does_not_fit(capsys):
     main(["train", str(path), "--dry-run", "--set", "train.activation_checkpointing=false"])
     out = capsys.readouterr().out
     assert "DOES NOT FIT" in out and "8.06 B total" in out
+
+
+# ---- benchmarks/gpu_check.sh: exits 0 without a GPU; --smoke runs every part -------------------------------------
+def _gpu_check(tmp_path, *flags):
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, OUT=str(tmp_path / "out"), PYTHON=sys.executable, OMP_NUM_THREADS="1")
+    start = time.perf_counter()
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks/gpu_check.sh"), *flags], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return tmp_path / "out", proc.stdout, time.perf_counter() - start
+
+
+def test_gpu_check_without_cuda_says_so_and_exits_0(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the full check would run")
+    out, stdout, _ = _gpu_check(tmp_path)
+    assert "no CUDA device" in stdout
+    assert "no CUDA device" in json.loads((out / "summary.json").read_text())["skipped"]
+
+
+def test_gpu_check_smoke_runs_every_part_on_cpu(tmp_path):
+    out, stdout, seconds = _gpu_check(tmp_path, "--smoke")
+    assert seconds < 120  # ~30 s on 2 idle cores
+    summary = json.loads((out / "summary.json").read_text())
+    assert {k: v["status"] for k, v in summary["parts"].items()} == {
+        k: "ok" for k in ("mfu", "memory", "block_attention_dense", "block_attention_flex", "sampling")}
+    mfu = json.loads((out / "mfu.json").read_text())["runs"]
+    for run in mfu.values():
+        assert run["achieved_flops"] == pytest.approx(6 * run["matrix_params"] * run["tokens_per_s"])
+    assert set(json.loads((out / "memory.json").read_text())["runs"]) == {"w1_no_ckpt", "w1_ckpt", "w2_no_ckpt",
+                                                                           "w2_ckpt"}
+    block = json.loads((out / "block_attention.json").read_text())
+    assert block["steps_compared"] == 3
+    if not block["switch_in_this_checkout"]:  # both runs took the same path: identical losses
+        assert block["max_loss_abs_diff"] == 0
+    sampling = json.loads((out / "sampling.json").read_text())["runs"]
+    assert sampling["block_top_u_4_batch2"]["mean_nfe"] == 16 / 4  # u = 4 of 16 positions per step
+    assert sampling["ar_batch2"]["tokens"] == 2 * 16 and sampling["ar_batch1"]["mean_nfe"] == 16
