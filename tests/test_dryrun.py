@@ -194,6 +194,11 @@ def test_activations_and_flops_match_hand_arithmetic():
     assert r["flops_per_update"] == t * (6 * n_mm + 12 * layers * h * 64)
     assert r["seconds_per_update"] == pytest.approx(r["flops_per_update"] / (989e12 * 0.4))
 
+    rw = estimate(load_recipe(None, [*TINY, "train.objective=reward"]))  # pairs: 2 canvases each; no LM logits
+    assert rw["activations_bytes"]["without_checkpointing"] == 2 * (layers * layer_full + 4 * t * h)
+    head_free = n_mm - 300 * h + h  # no LM head (tied: the embedding is only a lookup); the 1 x h reward head
+    assert rw["flops_per_update"] == 2 * t * (6 * head_free + 12 * layers * h * 64)
+
     block = estimate(load_recipe(None, [*TINY, "train.objective=mdm", "model.attention=block_causal",
                                         "model.block_size=16"]))
     assert block["activations_bytes"]["without_checkpointing"] == 2 * r["activations_bytes"]["without_checkpointing"]

@@ -57,10 +57,11 @@ FORMULAS = {
                    "c*T*(6h + 2h_kv + 4i) kept (2 norm inputs, 2 normed inputs, q + attention output, k/v, the "
                    "MLP's gate, up, activation, product; sdpa/flash attention keeps no s x s scores); with "
                    "train.activation_checkpointing c*T*h per layer (its input) + one layer recomputed. Plus the "
-                   "logits c*T*V + their fp32 copy in the loss 4*T*V. Block layouts hold clean + noised copies: "
-                   "T doubles. PU: W passes per update each keep theirs, unless progressive.activation_checkpointing "
-                   "(then W x T*h*6 B of carry and hidden state + one pass recomputed). Simplex: + the fp32 noisy "
-                   "simplex and its softmax 8*T*V, + previous logits 4*T*V with self-conditioning",
+                   "logits c*T*V + their fp32 copy in the loss 4*T*V (reward models: c*T*h, no logits). Block "
+                   "layouts hold clean + noised copies: T doubles. PU: W passes per update each keep theirs, unless "
+                   "progressive.activation_checkpointing (then W x T*h*6 B of carry and hidden state + one pass "
+                   "recomputed). Simplex: + the fp32 noisy simplex and its softmax 8*T*V, + previous logits 4*T*V "
+                   "with self-conditioning",
     "flops": "per position: forward 2*N_mm + 4*L*h*s (PaLM App. B: attention over s positions; block-causal masks "
              "skip some, so an upper bound); backward 2x forward for trainable weights, 1x (input grads only) for "
              "frozen ones; + one forward per checkpointing level; x W passes (PU); + p forwards (simplex "
@@ -230,12 +231,20 @@ def estimate(recipe: Recipe, recipe_path: str | Path | None = None) -> dict:
     total = sum(p.numel() for p in params)
     trainable = sum(p.numel() for p in params if p.requires_grad)
     frozen = total - trainable
-    embed = model.backbone.get_input_embeddings().weight.numel()
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
-    # weights of matmuls: not norms, not an untied input embedding (a lookup); a tied one is the LM head's matrix
-    n_mm = sum(p.numel() for p in params if p.ndim >= 2) - (0 if tied else embed)
-    n_mm_trainable = sum(p.numel() for p in params if p.requires_grad and p.ndim >= 2) - (
-        0 if tied or not model.backbone.get_input_embeddings().weight.requires_grad else embed)
+    embed_w = model.backbone.get_input_embeddings().weight
+    head_w = model.backbone.get_output_embeddings().weight
+    # A reward model reads its scalar head, never the LM head: an untied LM head gets no gradient and no AdamW state.
+    reward = tc.objective == "reward"
+    unused = head_w.numel() if reward and not tied else 0
+    updated = trainable - unused  # parameters that get a gradient and AdamW states
+    # Matmul weights: not norms, not the input embedding (a lookup; tied, it is still the LM head's matrix), not the
+    # LM head of a reward model.
+    skip = {id(embed_w)} if not tied else set()
+    skip |= {id(head_w)} if reward else set()
+    matmul = [p for p in params if p.ndim >= 2 and id(p) not in skip]
+    n_mm = sum(p.numel() for p in matmul)
+    n_mm_trainable = sum(p.numel() for p in matmul if p.requires_grad)
 
     h, n_layers, vocab = cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size
     h_kv = (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads) * (
@@ -249,25 +258,25 @@ def estimate(recipe: Recipe, recipe_path: str | Path | None = None) -> dict:
     shard = {k: (par.shard if k in par.sharded else 1) for k in ("weights", "gradients", "optimizer")}
     if bf16 and par.deepspeed:
         weights = (2 * trainable + frozen_bytes * frozen) / shard["weights"]
-        grads = 2 * trainable / shard["gradients"]
-        optim = 12 * trainable / shard["optimizer"]
+        grads = 2 * updated / shard["gradients"]
+        optim = 12 * updated / shard["optimizer"]
     else:
         weights = (4 * trainable + frozen_bytes * frozen) / shard["weights"]
         if bf16:  # the bf16 compute copy of the trainable weights
             weights += 2 * (min(trainable, 2 * layer_params) if par.backend == "fsdp2" else trainable)
-        grads = 4 * trainable / shard["gradients"]
-        optim = 8 * trainable / shard["optimizer"]
+        grads = 4 * updated / shard["gradients"]
+        optim = 8 * updated / shard["optimizer"]
     ema = 4 * trainable / shard["weights"] if tc.ema_decay else 0.0
 
     # ---- activations (bytes per device, one micro-batch)
     block = m.attention == "block_causal"
-    seqs = tc.batch_size * (2 if tc.objective == "reward" else 1)  # reward: chosen + rejected canvas per pair
+    seqs = tc.batch_size * (2 if reward else 1)  # reward: chosen + rejected canvas per pair
     positions = m.max_length * (2 if block else 1)
     t = seqs * positions
     c = 2 if bf16 else 4
     layer_full = c * t * (6 * h + 2 * h_kv + 4 * inter)
     layer_ckpt = c * t * h
-    head = c * t * vocab + 4 * t * vocab
+    head = c * t * h if reward else c * t * vocab + 4 * t * vocab  # reward: the final hidden states, no logits
     if tc.objective == "simplex":
         head += 8 * t * vocab + (4 * t * vocab if recipe.simplex.self_condition_prob > 0 else 0)
     pass_full = n_layers * layer_full + head
@@ -293,7 +302,7 @@ def estimate(recipe: Recipe, recipe_path: str | Path | None = None) -> dict:
 
     # ---- time per update
     global_seqs = tc.batch_size * tc.grad_accum * par.processes
-    canvas_tokens = global_seqs * m.max_length * (2 if tc.objective == "reward" else 1)
+    canvas_tokens = global_seqs * m.max_length * (2 if reward else 1)
     compute_positions = canvas_tokens * (2 if block else 1)
     attn = 4 * n_layers * h * positions
     fwd = 2 * n_mm + attn
