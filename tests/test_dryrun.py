@@ -29,7 +29,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def test_accelerate_configs_have_the_keys_accelerate_reads():
     from accelerate.commands.config.config_args import load_config_from_file
 
-    assert {p.name for p in ACCELERATE} == {"ddp.yaml", "fsdp2.yaml", "zero2.yaml", "zero3.yaml"}
+    assert {p.name for p in ACCELERATE} == {"ddp.yaml", "fsdp2.yaml", "fsdp2-hsdp.yaml", "zero2.yaml", "zero3.yaml"}
     for path in ACCELERATE:
         text = path.read_text()
         assert text.startswith("# ") and "accelerate launch --config_file recipes/accelerate/" + path.name in text
@@ -39,15 +39,19 @@ def test_accelerate_configs_have_the_keys_accelerate_reads():
         assert raw["mixed_precision"] == "bf16"
         cfg = load_config_from_file(str(path))  # accelerate's own reader: unknown top-level keys would raise
         assert cfg.mixed_precision == "bf16"
-    ddp, fsdp, zero2, zero3 = (yaml.safe_load(p.read_text()) for p in ACCELERATE)
+    ddp, hsdp, fsdp, zero2, zero3 = (yaml.safe_load(p.read_text()) for p in ACCELERATE)
     assert ddp["distributed_type"] == "MULTI_GPU"
-    assert fsdp["distributed_type"] == "FSDP"
-    f = fsdp["fsdp_config"]
-    assert f["fsdp_version"] == 2 and f["fsdp_reshard_after_forward"] is True
-    assert f["fsdp_state_dict_type"] == "SHARDED_STATE_DICT"
-    assert f["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP" and f["fsdp_transformer_layer_cls_to_wrap"]
-    assert f["fsdp_activation_checkpointing"] is False  # dlm's train.activation_checkpointing instead, never both
-    assert f["fsdp_cpu_ram_efficient_loading"] is True and f["fsdp_sync_module_states"] is True
+    for raw in (fsdp, hsdp):
+        assert raw["distributed_type"] == "FSDP"
+        f = raw["fsdp_config"]
+        assert f["fsdp_version"] == 2 and f["fsdp_reshard_after_forward"] is True
+        assert f["fsdp_state_dict_type"] == "SHARDED_STATE_DICT"
+        assert f["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP" and f["fsdp_transformer_layer_cls_to_wrap"]
+        assert f["fsdp_activation_checkpointing"] is False  # dlm's train.activation_checkpointing instead, never both
+        assert f["fsdp_cpu_ram_efficient_loading"] is True and f["fsdp_sync_module_states"] is True
+    par = hsdp["parallelism_config"]  # PUMBA Table 5: sharded within a node of 8, replicated across 8 nodes
+    assert par["parallelism_config_dp_shard_size"] * par["parallelism_config_dp_replicate_size"] == hsdp[
+        "num_processes"] == 64
     for raw, stage in ((zero2, 2), (zero3, 3)):
         assert raw["distributed_type"] == "DEEPSPEED" and raw["deepspeed_config"]["zero_stage"] == stage
         assert "gradient_accumulation_steps" in raw["deepspeed_config"]
@@ -154,6 +158,15 @@ def _accelerate(tmp_path, name, body):
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(body))
     return str(path)
+
+
+def test_hybrid_sharding_shards_over_the_node_and_replicates_across_nodes():
+    path = ROOT / "recipes/scale/llada8b-sft.yaml"
+    full = estimate(load_recipe(path, ["scale.accelerate_config=recipes/accelerate/fsdp2.yaml"]), path)
+    hybrid = estimate(load_recipe(path), path)
+    assert hybrid["parallelism"]["shard"] == 8 and full["parallelism"]["shard"] == 64
+    assert hybrid["memory_bytes"]["optimizer"] == 8 * full["memory_bytes"]["optimizer"]
+    assert hybrid["seconds_per_update"] == full["seconds_per_update"]  # same 64 GPUs of compute
 
 
 def test_memory_by_backend_matches_hand_arithmetic(tmp_path):
