@@ -16,7 +16,8 @@ timeout keeps what was done; $OUT/summary.json lists what ran, how long, and wha
                    sampler with its KV cache, tokens/s at batch 1 and 16. Random weights: a throughput check only
                    (a random model rarely passes the threshold, so that policy reveals ~1 token per step)
 
-Without CUDA it prints that and exits 0; --smoke runs every part at toy size on CPU (the test suite does, < 60 s).
+Without CUDA it prints that and exits 0; --smoke runs every part at toy size on CPU (the test suite does, < 60 s),
+except flex attention, which has no CPU backward in torch.
 
     bash benchmarks/gpu_check.sh                 # OUT=./gpu_check_out
     OUT=/tmp/gc bash benchmarks/gpu_check.sh --smoke
@@ -79,6 +80,9 @@ def main() -> None:
         modes = ("dense", "flex") if part == "block_attention" else (None,)
         for mode in modes:
             name = part if mode is None else f"{part}_{mode}"
+            if mode == "flex" and not cuda:  # smoke on CPU: torch's flex attention has no CPU backward
+                summary["parts"][name] = {"status": "skipped: flex attention trains on CUDA only", "seconds": 0.0}
+                continue
             cap = min(CAPS_S[part] / len(modes), deadline - time.monotonic())
             if cap < 10:
                 summary["parts"][name] = {"status": "skipped: out of budget"}
