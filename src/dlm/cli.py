@@ -13,6 +13,7 @@ EPILOG = """examples:
   dlm data tinymath --out data/tinymath --level medium
   dlm train recipes/tinymath/ar.yaml --set train.steps=200 --set out_dir=runs/ar
   dlm train recipes/tinymath/ar.yaml --resume     continue exactly from the newest checkpoint
+  dlm train recipes/scale/llada8b-block-pumba.yaml --dry-run   memory and time per update at scale, no training
   dlm generate runs/ar --prompt "Mia has 3 apples and buys 4 more. How many apples does she have?"
   dlm eval runs/ar --task tinymath --n 200
   dlm convert ~/models/LLaDA-8B-Instruct ~/models/llada-hf   a LLaDA / Dream release as a plain HF + dlm model
@@ -56,6 +57,13 @@ def _cmd_train(a):
     if a.out_dir:
         overrides.append(f"out_dir={a.out_dir}")
     recipe = load_recipe(a.recipe, overrides)
+    if a.dry_run:
+        from dlm.training.dryrun import dry_run
+
+        dry_run(recipe, a.recipe, as_json=a.json)
+        return
+    if a.json:
+        sys.exit("dlm train: --json goes with --dry-run")
     run_dir = train(recipe, resume=a.resume, progress=not a.no_progress)
     print(f"run: {run_dir}  (model: {run_dir / 'model'}, metrics: {run_dir / 'metrics.jsonl'})")
 
@@ -310,6 +318,12 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--resume", action="store_true", help="continue exactly from the newest complete checkpoint in "
                     "out_dir (with as many processes as wrote it); without a checkpoint, say so and start fresh")
     tr.add_argument("--no-progress", action="store_true", help="no progress bar")
+    tr.add_argument("--dry-run", action="store_true", help="train nothing, read no data: build the model on the meta "
+                    "device (from model.init_from's config.json, the recipe that writes it, or a published config: "
+                    "the output says which) and print parameters, per-device memory (weights, gradients, AdamW, EMA, "
+                    "activations with and without checkpointing) and time per update for the recipe's scale: section "
+                    "(accelerate config, num_processes, gpu, mfu); seconds, on a laptop")
+    tr.add_argument("--json", action="store_true", help="with --dry-run: the estimate as JSON, formulas included")
     tr.set_defaults(func=_cmd_train)
 
     g = sub.add_parser("generate", help="generate responses from a trained model",

@@ -3,11 +3,12 @@ that name the file and the field, raised before any work starts."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dlm.errors import DlmError
 from dlm.modeling.spec import LoraSpec, ModelSpec
@@ -202,6 +203,23 @@ class SimplexConfig(_Strict):
                                                   "(§3.2)")
 
 
+@dataclass(frozen=True)
+class Gpu:
+    """An accelerator the dry run sizes runs for: peak bf16 dense tensor throughput and memory, vendor figures."""
+
+    peak_flops: float
+    memory_bytes: int
+
+
+# NVIDIA datasheets: BF16 tensor-core TFLOPS without sparsity (the sheets print 2x with sparsity) and HBM size as
+# named (in GiB; CUDA reports ~1 % less usable, e.g. 79.6 GiB on an H100 80GB).
+GPUS: dict[str, Gpu] = {
+    "H100-80GB": Gpu(989e12, 80 * 1024**3),   # H100 SXM5
+    "H200-141GB": Gpu(989e12, 141 * 1024**3),  # H200 SXM: H100's compute, more memory
+    "A100-80GB": Gpu(312e12, 80 * 1024**3),   # A100 SXM4
+}
+
+
 class ScaleConfig(_Strict):
     """How a recipe is meant to be launched at size; read by `dlm train RECIPE --dry-run` (training itself takes its
     parallelism from `accelerate launch`)."""
@@ -210,8 +228,16 @@ class ScaleConfig(_Strict):
                                           "recipe expects (e.g. recipes/accelerate/fsdp2.yaml); null = one process")
     num_processes: int = Field(1, gt=0, description="processes (GPUs) the recipe is sized for: global batch = "
                                "batch_size × grad_accum × num_processes")
-    gpu: str = Field("H100-80GB", description="accelerator the dry run estimates memory and time for")
+    gpu: str = Field("H100-80GB", description="accelerator the dry run estimates memory and time for: "
+                     + ", ".join(GPUS))
     mfu: float = Field(0.4, gt=0, le=1, description="model FLOPs utilisation the dry run's time per update assumes")
+
+    @field_validator("gpu")
+    @classmethod
+    def _known_gpu(cls, gpu: str) -> str:
+        if gpu not in GPUS:
+            raise ValueError(f"unknown GPU {gpu!r}; the dry run knows {', '.join(GPUS)}")
+        return gpu
 
 
 class EvalConfig(SamplingSettings):
