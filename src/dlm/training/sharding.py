@@ -42,7 +42,27 @@ def shard(model: torch.nn.Module, world_size: int) -> torch.nn.Module:
     for module in model.modules():
         if type(module).__name__ in layer_types:
             fully_shard(module, mesh=mesh)
-    return fully_shard(model, mesh=mesh)
+    model = fully_shard(model, mesh=mesh)
+    model.register_forward_pre_hook(_inputs_inside, with_kwargs=True)  # after FSDP's: the parameters are gathered
+    return model
+
+
+def _inputs_inside(module, args, kwargs):
+    """`model(None, inputs_fn=f, ...)` computes inputs_embeds = f() inside the root's forward, where the root's
+    parameters (embeddings, dlm's extras) are gathered and their gradients reach FSDP's reduce-scatter."""
+    if "inputs_fn" in kwargs:
+        kwargs = dict(kwargs)
+        kwargs["inputs_embeds"] = kwargs.pop("inputs_fn")()
+        return args, kwargs
+    return None
+
+
+def forward_with_inputs(model, inputs_fn, *args, **kwargs):
+    """model(*args, inputs_embeds=inputs_fn(), **kwargs), with inputs_fn run inside the forward of a sharded model
+    (it reads the embedding weights, which FSDP2 gathers only there)."""
+    if is_sharded(model):
+        return model(*args, inputs_fn=inputs_fn, **kwargs)
+    return model(*args, inputs_embeds=inputs_fn(), **kwargs)
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
@@ -64,7 +84,13 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     unsharded model."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    first: dict[int, str] = {}  # tied weights (embedding = LM head) stay one tensor, as save_pretrained expects
+    for name, p in model.named_parameters(remove_duplicate=False):
+        kept = first.setdefault(id(p), name)
+        if kept != name and kept in state and name in state:
+            state[name] = state[kept]
+    return state
 
 
 def local_tensors(tensors: dict) -> dict:

@@ -12,8 +12,9 @@ import torch.nn.functional as F
 from dlm.data.ul2 import STRATEGIES as UL2_STRATEGIES
 from dlm.data.ul2 import ul2_mask
 from dlm.diffusion.simplex import cosine_alpha_bar, noise_simplex, to_simplex
-from dlm.modeling.simplex import simplex_logits
+from dlm.modeling.simplex import input_embeddings, simplex_logits
 from dlm.training.objectives.noise import ExampleNoise, batch_generator
+from dlm.training.sharding import forward_with_inputs, is_sharded
 
 MASKINGS = ("prefix_lm", "ul2")
 
@@ -97,9 +98,9 @@ class SimplexObjective:
             t_next = (t + 1).clamp(max=self.T - 1)
             s_next = noise_simplex(s0, self.alpha_bar[t_next].to(device), z, self.k)
             with torch.no_grad():
-                previous = simplex_logits(_inner(model), ids, s_next, generating,
-                                          (t_next.float() / self.T).to(device), **kwargs).detach()
-        logits = simplex_logits(model, ids, s_t, generating, (t.float() / self.T).to(device), previous, **kwargs)
+                previous = _logits(_inner(model), ids, s_next, generating, (t_next.float() / self.T).to(device),
+                                   **kwargs).detach()
+        logits = _logits(model, ids, s_t, generating, (t.float() / self.T).to(device), previous, **kwargs)
         ce = F.cross_entropy(logits[in_loss].float(), ids[in_loss], reduction="sum")  # TESS 2 Eq. 3
         metrics = {"self_conditioned": float(plan["self_condition"]), "t_mean": float(t.float().mean()) / self.T,
                    f"ul2/{plan['strategy']}": 1.0, "generated_share": float(generating.float().mean())}
@@ -115,6 +116,14 @@ class SimplexObjective:
 
     def load_state_dict(self, state: dict) -> None:
         self.noise.load_state_dict(state)  # old checkpoints: per-rank generator states, nothing to keep
+
+
+def _logits(model, input_ids, noisy, generating, time, previous=None, attention_mask=None):
+    """`simplex_logits`; under FSDP2 the input path (which reads the embedding weights) runs inside the forward."""
+    if not is_sharded(model):
+        return simplex_logits(model, input_ids, noisy, generating, time, previous, attention_mask=attention_mask)
+    return forward_with_inputs(model, lambda: input_embeddings(model, input_ids, noisy, generating, time, previous),
+                               None, attention_mask=attention_mask)
 
 
 def _inner(model):
