@@ -1,5 +1,6 @@
 """The one training loop: accelerate, AdamW, warmup + cosine, clipping, accumulation, EMA, jsonl metrics, periodic
-evaluation, atomic checkpoints and exact resume. Objectives plug in through `loss(model, batch)`.
+evaluation, atomic checkpoints and exact resume, under one process, DDP or FSDP2 (`dlm.training.sharding`).
+Objectives plug in through `plan(batch, update, micro)` and `loss(model, batch, plan)` (`dlm.training.objectives`).
 
 Failures stop a run cleanly, never leaving a checkpoint worse than the last good one: an update with a NaN/inf loss or
 gradient is skipped (every rank agrees) and a run of `train.max_nonfinite_updates` of them stops it; a checkpoint

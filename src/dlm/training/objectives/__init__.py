@@ -5,7 +5,7 @@ micro-batches and processes in one reduction, then calls `loss(model, batch, pla
 backpropagates loss_sum × world / global count: the update is exact whatever the split across accumulation and ranks.
 
 Noise is split-invariant: an example's noise is a function of the run seed and its position in the global data stream
-(`noise.ExampleNoise`), per-batch choices of (seed, update, micro-batch), so 2 processes × b draw what 1 process × 2b
+(`noise.ExampleNoise`), per-batch choices of (seed, update), so 2 processes × b draw what 1 process × 2b
 draws. Objectives that own their data (PU, `attach`) take batch None and count 1 per micro-batch (a window's loss is
 already a mean)."""
 

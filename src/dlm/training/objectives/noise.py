@@ -25,9 +25,10 @@ def row_generators(seed: int, stream: int, example_id: torch.Tensor) -> list[tor
     return [torch.Generator().manual_seed(mix(seed, stream, i)) for i in example_id.tolist()]
 
 
-def batch_generator(seed: int, stream: int, update: int, micro: int) -> torch.Generator:
-    """The generator of per-batch choices (e.g. UL2 strategy, self-conditioning): the same on every rank."""
-    return torch.Generator().manual_seed(mix(seed, stream, update, micro))
+def batch_generator(seed: int, stream: int, update: int) -> torch.Generator:
+    """The generator of per-batch choices (e.g. UL2 strategy, self-conditioning) of an update: the same on every
+    rank and every micro-batch."""
+    return torch.Generator().manual_seed(mix(seed, stream, update))
 
 
 def rows_rand(generators: list[torch.Generator], *shape: int) -> torch.Tensor:

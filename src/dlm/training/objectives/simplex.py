@@ -63,13 +63,14 @@ class SimplexObjective:
         self.direct_batches = 0  # per-batch keys of batches planned outside the trainer
 
     def plan(self, batch, update: int | None = None, micro: int = 0) -> dict:
-        """Per-batch choices (UL2 strategy, self-conditioning: the same on every rank — a rank that ran an extra
-        forward would desynchronise DDP's collectives), each example's spans and timestep. ε [B, L, V] is drawn in
-        `loss` (from the example's own generator), so a plan holds no vocabulary-sized tensor."""
+        """Per-batch choices (UL2 strategy, self-conditioning), keyed by the update: the same on every rank (a rank
+        that ran an extra forward would desynchronise DDP's collectives) and for every micro-batch of the update (so
+        accumulation over micro-batches equals one large batch); each example's spans and timestep. ε [B, L, V] is
+        drawn in `loss` (from the example's own generator), so a plan holds no vocabulary-sized tensor."""
         if update is None:
-            update, micro = -1, self.direct_batches
+            update = -1 - self.direct_batches
             self.direct_batches += 1
-        shared = batch_generator(self.seed, 5, update, micro)
+        shared = batch_generator(self.seed, 5, update)
         strategy = None
         if self.masking == "ul2":
             strategy = self.ul2_strategy or UL2_STRATEGIES[int(torch.randint(len(UL2_STRATEGIES), (1,),
