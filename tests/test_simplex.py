@@ -153,14 +153,13 @@ def test_loss_label_shift_alignment(label_shift):
     m = simplex_model(label_shift=label_shift)
     batch = _batch()
     obj = SimplexObjective(5.0, 100, self_condition_prob=0.0, masking="prefix_lm", label_shift=label_shift, seed=3)
-    g = torch.Generator()
-    g.set_state(obj.generator.get_state())
+    plan = obj.plan(batch)
     with torch.no_grad():
-        loss, count, _ = obj.loss(m, batch)
+        loss, count, _ = obj.loss(m, batch, plan)
     ids = batch["input_ids"]
     B, L = ids.shape
-    t = torch.randint(0, 100, (B,), generator=g)
-    z = torch.randn(B, L, 40, generator=g)
+    t = plan["t"]  # the plan's timesteps and each example's ε
+    z = obj.epsilon(plan["example_id"], L, 40)
     s_t = noise_simplex(to_simplex(ids, 40, 5.0), cosine_alpha_bar(100)[t], z, 5.0)
     with torch.no_grad():
         emb = input_embeddings(m, ids, s_t, batch["maskable"], t.float() / 100)

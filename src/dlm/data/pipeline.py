@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dlm.data.canvas import collate, collate_packed, collate_pairs, make_example, pack_documents
+from dlm.data.canvas import collate, collate_packed, make_example, pack_documents
 from dlm.data.sources import DataError, load_records, read_text
 from dlm.data.tokenizer import corpus_texts, encode_pair, load_tokenizer, train_bpe_tokenizer
 
@@ -64,19 +64,29 @@ def encode_examples(tok, records: Sequence[dict], max_length: int,
         raise DataError("block diffusion trains on prompt/response records (not plain text or preference pairs)")
     if records and "text" in records[0]:
         docs = [tok(r["text"], add_special_tokens=False)["input_ids"] for r in records]
-        return list(pack_documents(docs, max_length, tok.eos_token_id)), collate_packed
+        return list(pack_documents(docs, max_length, tok.eos_token_id)), _collate_packed
     if records and "rejected" in records[0]:  # preference pairs: (chosen = response, rejected)
         pairs = [(make_example(*encode_pair(tok, r["prompt"], r["response"]), max_length),
                   make_example(*encode_pair(tok, r["prompt"], r["rejected"]), max_length)) for r in records]
-        return pairs, partial(collate_pairs, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
+        return pairs, partial(_collate_pairs, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
     examples = [make_example(*encode_pair(tok, r["prompt"], r["response"]), max_length, block_size=block_size)
                 for r in records]
     return examples, partial(collate, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, block_size=block_size)
 
 
+def _collate_pairs(pairs, eos_id: int, pad_id: int, pad_to: int | None = None) -> dict[str, torch.Tensor]:
+    return collate([c for c, _ in pairs] + [r for _, r in pairs], eos_id, pad_id, pad_to=pad_to)
+
+
+def _collate_packed(rows, pad_to: int | None = None) -> dict[str, torch.Tensor]:
+    return collate_packed(rows)  # packed rows all have max_length tokens
+
+
 class BatchStream:
     """Shuffled epochs over a fixed example list. Each global batch holds `batch_size × world_size` examples and rank
-    r takes its slice, so 2 processes × b see exactly what 1 process × 2b sees. `state_dict` makes resume exact."""
+    r takes its slice, so 2 processes × b see exactly what 1 process × 2b sees: the same examples, padded to the same
+    width (the longest canvas of the global batch: bidirectional models attend to padding), each with its position
+    in the global stream (`example_id`, which keys its noise). `state_dict` makes resume exact."""
 
     def __init__(self, examples: Sequence, batch_size: int, collate_fn: Callable, seed: int = 0, rank: int = 0,
                  world_size: int = 1):
@@ -96,21 +106,55 @@ class BatchStream:
         return self
 
     def __next__(self):
-        return self.collate_fn(self.take(self.batch_size))
+        return self.next_batches(1)[0]
+
+    def next_batches(self, count: int) -> list[dict[str, torch.Tensor]]:
+        """This rank's next `count` micro-batches (one update's accumulation), all padded to the longest canvas among
+        the `count × batch_size × world_size` examples of the update, with `example_id` [B]."""
+        steps = [self._advance(self.batch_size) for _ in range(count)]
+        every = [self.examples[i] for _, idx in steps for i in idx]
+        width = self.collate_fn(every)["input_ids"].shape[1] if self.world_size > 1 or count > 1 else None
+        batches = []
+        for first, idx in steps:
+            mine = idx[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
+            batch = self.collate_fn([self.examples[i] for i in mine], pad_to=width)
+            start = first + self.rank * self.batch_size
+            batch["example_id"] = torch.arange(start, start + self.batch_size)
+            batches.append(batch)
+        return batches
 
     def take(self, n: int) -> list:
         """The next `n` examples of this rank (the global stream advances by n × world size); trajectory pools
         refill from here one sample at a time."""
+        _, idx = self._advance(n)
+        return [self.examples[i] for i in idx[self.rank * n : (self.rank + 1) * n]]
+
+    def take_shared(self, count: int, start: int, n: int) -> list:
+        """The global stream advances by `count` examples (shared by all ranks, e.g. the trajectories retired on all
+        of them, in rank order); this rank takes those at offsets [start, start + n)."""
+        if count > len(self.examples):
+            raise ValueError(f"cannot draw {count} examples from {len(self.examples)}")
+        if count == 0:
+            return []
+        if self.cursor + count > len(self.examples):
+            self.epoch, self.cursor = self.epoch + 1, 0
+            self._perm = self._permutation(self.epoch)
+        idx = self._perm[self.cursor + start : self.cursor + start + n].tolist()
+        self.cursor += count
+        return [self.examples[i] for i in idx]
+
+    def _advance(self, n: int) -> tuple[int, list[int]]:
+        """(global stream position of the first, example indices) of the next global batch of n × world size."""
         global_n = n * self.world_size
         if global_n > len(self.examples):
             raise ValueError(f"cannot draw {global_n} examples from {len(self.examples)}")
         if self.cursor + global_n > len(self.examples):
             self.epoch, self.cursor = self.epoch + 1, 0
             self._perm = self._permutation(self.epoch)
-        start = self.cursor + self.rank * n
-        idx = self._perm[start : start + n].tolist()
+        first = self.epoch * len(self.examples) + self.cursor
+        idx = self._perm[self.cursor : self.cursor + global_n].tolist()
         self.cursor += global_n
-        return [self.examples[i] for i in idx]
+        return first, idx
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "cursor": self.cursor}

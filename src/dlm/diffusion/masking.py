@@ -12,6 +12,12 @@ def sample_mask(maskable: torch.Tensor, generator: torch.Generator | None = None
     draw_device = generator.device if generator is not None else maskable.device
     t = torch.rand(B, generator=generator, device=draw_device).to(maskable.device)
     scores = torch.rand(B, L, generator=generator, device=draw_device).to(maskable.device)
+    return mask_from_uniforms(maskable, t, scores)
+
+
+def mask_from_uniforms(maskable: torch.Tensor, t: torch.Tensor, scores: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample_mask` from given uniforms t [B] and scores [B, L]: the n lowest-scored maskable positions masked."""
     M = maskable.sum(-1)
     n = torch.minimum(torch.ceil(t * M).long().clamp(min=1), M)
     rank = scores.masked_fill(~maskable, float("inf")).argsort(-1).argsort(-1)

@@ -1,4 +1,6 @@
 """Exponential moving average of the trainable weights (fp32 shadow copy), used for evaluation and the final model.
+Under FSDP2 the shadow of each parameter is a DTensor holding this rank's shard: updates are local, the saved model
+gathers it (`weights_over`) and checkpoints keep each rank's shards.
 
 Only tensors that train are shadowed: a LoRA run over a frozen 8B base keeps a shadow of its adapters, not of the
 base (frozen weights have no average to take)."""
@@ -32,6 +34,18 @@ class EMA:
         """A full state dict of `model` with the EMA values in place of the trainable tensors; the other entries
         are the live tensors, not copies."""
         return {k: (self.shadow[k].to(v.dtype) if k in self.shadow else v) for k, v in model.state_dict().items()}
+
+    def weights_over(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`state` (a full state dict, e.g. gathered from an FSDP2 model) with the EMA values in place of the
+        trainable tensors. Under FSDP2 each rank keeps the shadow of its own shards (DTensors, updated locally);
+        here they are gathered — a collective: every rank calls it."""
+        from dlm.training.sharding import full
+
+        gathered: dict[int, torch.Tensor] = {}
+        for s in self.shadow.values():  # the same order on every rank (`state` may be empty off rank 0)
+            if id(s) not in gathered:
+                gathered[id(s)] = full(s).cpu()
+        return {k: (gathered[id(self.shadow[k])].to(v.dtype) if k in self.shadow else v) for k, v in state.items()}
 
     @contextmanager
     def applied(self, model: nn.Module):

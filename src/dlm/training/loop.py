@@ -1,5 +1,6 @@
 """The one training loop: accelerate, AdamW, warmup + cosine, clipping, accumulation, EMA, jsonl metrics, periodic
-evaluation, atomic checkpoints and exact resume. Objectives plug in through `loss(model, batch)`.
+evaluation, atomic checkpoints and exact resume, under one process, DDP or FSDP2 (`dlm.training.sharding`).
+Objectives plug in through `plan(batch, update, micro)` and `loss(model, batch, plan)` (`dlm.training.objectives`).
 
 Failures stop a run cleanly, never leaving a checkpoint worse than the last good one: an update with a NaN/inf loss or
 gradient is skipped (every rank agrees) and a run of `train.max_nonfinite_updates` of them stops it; a checkpoint
@@ -20,7 +21,7 @@ import numpy as np
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
-from accelerate.utils import set_seed
+from accelerate.utils import DistributedType, set_seed
 from tqdm.auto import tqdm
 
 from dlm import checkpoint as ckpt
@@ -33,6 +34,7 @@ from dlm.modeling.backbone import DiffusionLM, count_parameters, resolve_model_d
 from dlm.modeling.build import build, load_weights, save_model
 from dlm.modeling.convert import foreign_spec
 from dlm.modeling.spec import ModelSpec
+from dlm.training import sharding
 from dlm.training.ema import EMA
 from dlm.training.objectives import build_objective
 
@@ -87,8 +89,7 @@ class Trainer:
         self.recipe, self.progress = recipe, progress
         self.run_dir = Path(recipe.out_dir)
         AcceleratorState._reset_state()  # precision is per run; the process group (PartialState) is kept
-        self.acc = Accelerator(cpu=not torch.cuda.is_available(),
-                               mixed_precision="bf16" if recipe.train.precision == "bf16" else "no")
+        self.acc = sharding.accelerator("bf16" if recipe.train.precision == "bf16" else "no")
         tc = recipe.train
         set_seed(tc.seed)
         if self.acc.is_main_process:
@@ -109,19 +110,25 @@ class Trainer:
         if tc.activation_checkpointing:
             model.enable_activation_checkpointing()
         self.n_params = count_parameters(model)
-        trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: adapters + dlm's modules
-        self.n_trainable = sum(p.numel() for p in trainable)
+        self.n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        self.sharded = sharding.fsdp_requested() and self.acc.num_processes > 1
+        if self.sharded:  # FSDP2, applied by dlm (`dlm.training.sharding`); the optimizer holds the DTensor shards
+            model = sharding.shard(model.to(self.acc.device), self.acc.num_processes)
         oc = recipe.optim
+        trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: adapters + dlm's modules
         decay = [p for p in trainable if p.ndim >= 2]
         no_decay = [p for p in trainable if p.ndim < 2]
         optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": oc.weight_decay},
                                        {"params": no_decay, "weight_decay": 0.0}], lr=oc.lr, betas=oc.betas, eps=oc.eps)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, partial(lr_lambda, warmup=oc.warmup_steps, total=tc.steps, schedule=oc.schedule,
                                min_ratio=oc.min_lr_ratio))
-        self.model, self.optimizer = self.acc.prepare(model, optimizer)
-        self.scheduler = scheduler
-        self.objective = build_objective(tc.objective, recipe, self.tok.mask_token_id, self.acc.process_index)
+        if self.sharded:
+            self.model, self.optimizer = model, optimizer
+        else:
+            self.model, self.optimizer = self.acc.prepare(model, optimizer)
+        self.objective = build_objective(tc.objective, recipe, self.tok.mask_token_id, self.acc.process_index,
+                                         self.acc.num_processes)
         # Objectives that keep their own samples (PU trajectory pools) refill from the stream themselves.
         self.owns_data = hasattr(self.objective, "attach")
         if self.owns_data:
@@ -138,38 +145,51 @@ class Trainer:
 
     # ---- one update -------------------------------------------------------------------------------------------
     def train_step(self) -> dict:
+        """One update. Every micro-batch is planned first (its noise and masks, hence its count of loss positions),
+        the counts are summed over micro-batches and ranks in one reduction, then each micro-batch backpropagates
+        loss_sum × world / global count: the update is exact whatever the split across accumulation and ranks, and
+        the gradients are never written by hand (DeepSpeed owns them)."""
         self.model.train()
-        tc = self.recipe.train
-        loss_sum = torch.zeros((), device=self.acc.device)
-        count = torch.zeros((), device=self.acc.device)
+        tc, device, world = self.recipe.train, self.acc.device, self.acc.num_processes
+        if self.owns_data:  # objectives that keep their own samples (PU trajectory pools)
+            batches = [None] * tc.grad_accum
+        else:
+            batches = [{k: v.to(device) for k, v in b.items()} for b in self.stream.next_batches(tc.grad_accum)]
+        plans = [self.objective.plan(batch, self.step, micro) for micro, batch in enumerate(batches)]
+        count = sum(torch.as_tensor(p["count"], device=device).float() for p in plans)
+        total = self.acc.reduce(count, reduction="sum").clamp(min=1)
+        scale = world / total  # DDP and FSDP average gradients over ranks, hence × world
+        loss_sum = torch.zeros((), device=device)
         metrics: dict[str, float] = {}
-        for micro in range(tc.grad_accum):
-            batch = None if self.owns_data else {k: v.to(self.acc.device) for k, v in next(self.stream).items()}
+        for micro, (batch, plan) in enumerate(zip(batches, plans)):
             sync = micro == tc.grad_accum - 1
-            ctx = self.acc.no_sync(self.model) if not sync else _nullcontext()
+            if self.sharded:  # FSDP2 reduce-scatters after the last micro-batch only
+                self.model.set_requires_gradient_sync(sync)
+                ctx = _nullcontext()
+            else:
+                ctx = self.acc.no_sync(self.model) if not sync else _nullcontext()
             with ctx, self.acc.autocast():
-                l_sum, n, m = self.objective.loss(self.model, batch)
-                self.acc.backward(l_sum)
+                l_sum, _, m = self.objective.loss(self.model, batch, plan)
+                self.acc.backward(l_sum * scale)
             # Objectives that own their data report the real (non-padding) tokens their passes processed.
             seen = m["tokens"] if batch is None else int(batch["attention_mask"].sum())
-            self.tokens_seen += int(seen) * self.acc.num_processes
+            self.tokens_seen += int(seen) * world
             loss_sum += l_sum.detach().float()
-            count += n.float()
             for k, v in m.items():
                 metrics[k] = metrics.get(k, 0.0) + v / tc.grad_accum
-        # One reduction: the positions in the loss over all micro-batches and ranks, and whether any rank saw a
-        # NaN/inf loss or gradient (so that every rank skips the same updates).
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        nonfinite = torch.stack([~torch.isfinite(loss_sum)] + [~torch.isfinite(g).all() for g in grads]).any()
-        total, nonfinite = self.acc.reduce(torch.stack([count, nonfinite.to(count.dtype)]), reduction="sum")
-        total, skip = total.clamp(min=1), bool(nonfinite > 0)
-        scale = self.acc.num_processes / total  # DDP averages over ranks, hence × world
-        for g in grads:
-            g.mul_(scale.to(g.dtype))
+        # Whether any rank saw a NaN/inf loss or gradient (so that every rank skips the same updates); gradients are
+        # read, never written; under DeepSpeed (which owns them) the loss alone decides.
+        flags = [~torch.isfinite(loss_sum)]
+        if self.acc.distributed_type != DistributedType.DEEPSPEED:
+            flags += [~torch.isfinite(sharding.local(p.grad)).all() for p in self.model.parameters()
+                      if p.grad is not None]
+        reduced = self.acc.reduce(torch.stack([loss_sum, torch.stack(flags).any().float()]), reduction="sum")
+        skip = bool(reduced[1] > 0)
         grad_norm = None
         if not skip:
             if self.recipe.optim.grad_clip:
-                grad_norm = float(self.acc.clip_grad_norm_(self.model.parameters(), self.recipe.optim.grad_clip))
+                clip = torch.nn.utils.clip_grad_norm_ if self.sharded else self.acc.clip_grad_norm_
+                grad_norm = float(sharding.full(clip(self.model.parameters(), self.recipe.optim.grad_clip)))
             self.optimizer.step()
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -178,7 +198,7 @@ class Trainer:
         self.step += 1  # a skipped update still uses up its step (and its data); the schedule does not advance
         self.skipped_updates += skip
         self.skipped_in_a_row = self.skipped_in_a_row + 1 if skip else 0
-        loss = float(self.acc.reduce(loss_sum.clone(), reduction="sum") / total)
+        loss = float(reduced[0] / total)
         out = {"step": self.step, "loss": loss, "lr": self.scheduler.get_last_lr()[0], **metrics,
                "skipped_updates": self.skipped_updates, "skipped_in_a_row": self.skipped_in_a_row}
         if grad_norm is not None:
@@ -236,13 +256,19 @@ class Trainer:
         if split not in self.splits or "answer" not in self.splits[split][0]:
             return {}
         result = {}
+        state = self._model_state(ema=True) if self.sharded else None  # a collective: every rank gathers
         if self.acc.is_main_process:
             from dlm.evaluation.tasks import evaluate
 
             records = self.splits[split][:n] if n else self.splits[split]
             ec = self.recipe.eval
-            model = self.unwrapped
-            ctx = self.ema.applied(model) if self.ema else _nullcontext(model)
+            if self.sharded:  # FSDP2: a full copy on rank 0 (a lone rank cannot run the sharded model)
+                model = build_model(self.recipe, self.tok)
+                model.load_state_dict(state)
+                ctx = _nullcontext(model.to(self.acc.device))
+            else:
+                model = self.unwrapped
+                ctx = self.ema.applied(model) if self.ema else _nullcontext(model)
             with ctx:
                 r = evaluate(model, self.tok, records, ec, batch_size=ec.batch_size, max_new_tokens=ec.max_new_tokens,
                              temperature=ec.temperature, seed=self.recipe.train.seed,
@@ -253,12 +279,21 @@ class Trainer:
         return result
 
     # ---- persistence ------------------------------------------------------------------------------------------
+    def _model_state(self, ema: bool) -> dict[str, torch.Tensor] | None:
+        """The weights to save (EMA values when `ema` and enabled): None for the live tensors of an unsharded model;
+        under FSDP2 the full state dict, gathered on every rank (a collective)."""
+        if not self.sharded:
+            return self.ema.weights_for(self.unwrapped) if ema and self.ema else None
+        state = sharding.full_state_dict(self.model)
+        return self.ema.weights_over(state) if ema and self.ema else state
+
     def save_model(self, directory: Path) -> None:
-        """The final model (EMA weights when enabled) in HF format with dlm.json and the tokenizer."""
+        """The final model (EMA weights when enabled) in HF format with dlm.json and the tokenizer; under FSDP2 the
+        full state dict is gathered and rank 0 writes it."""
         self.acc.wait_for_everyone()
+        state = self._model_state(ema=True)
         if self.acc.is_main_process:
             model = self.unwrapped
-            state = self.ema.weights_for(model) if self.ema else None
             tmp = directory.with_name(directory.name + ".tmp")
             save_model(model, tmp, state_dict=state)
             self.tok.save_pretrained(tmp)
@@ -281,22 +316,31 @@ class Trainer:
             except OSError as err:
                 error = err
         tmp = Path(_broadcast_str(self.acc, str(tmp) if tmp else "")) if not self._failed_anywhere(error) else None
+        rank = self.acc.process_index
         if tmp is not None:
             try:
-                torch.save(_rng_state(), tmp / f"rng_rank{self.acc.process_index}.pt")
+                torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
                 torch.save(self.stream.state_dict() | {"objective": self.objective.state_dict()},
-                           tmp / f"data_rank{self.acc.process_index}.pt")
+                           tmp / f"data_rank{rank}.pt")
+                if self.sharded:  # FSDP2: each rank's shards of the weights, the optimizer state and the EMA
+                    torch.save({"model": sharding.local_tensors(self.model.state_dict()),
+                                "optimizer": sharding.optimizer_state(self.optimizer),
+                                "ema": sharding.local_tensors(self.ema.shadow) if self.ema else None},
+                               tmp / f"shards_rank{rank}.pt")
             except OSError as err:
                 error = err
+        full = sharding.full_state_dict(self.model) if tmp is not None and self.sharded else None  # collective
         if tmp is not None and not self._failed_anywhere(error) and main:  # every rank's files are in place
             try:
-                save_model(self.unwrapped, tmp / "model")  # a LoRA run: its trainable tensors only
+                save_model(self.unwrapped, tmp / "model", state_dict=full)  # a LoRA run: its trainable tensors only
                 self.tok.save_pretrained(tmp / "model")
                 if os.environ.get(FAULT_ENV) == str(self.step):
                     os._exit(17)  # simulated crash mid-write (tests)
-                torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                            "step": self.step, "tokens_seen": self.tokens_seen,
-                            "ema": self.ema.state_dict() if self.ema else None,
+                sharded = self.sharded  # FSDP2: optimizer and EMA live in the shards files
+                torch.save({"optimizer": None if sharded else self.optimizer.state_dict(),
+                            "scheduler": self.scheduler.state_dict(), "step": self.step,
+                            "tokens_seen": self.tokens_seen, "sharded": sharded,
+                            "ema": self.ema.state_dict() if self.ema and not sharded else None,
                             "world_size": self.acc.num_processes, "skipped_updates": self.skipped_updates,
                             "skipped_in_a_row": self.skipped_in_a_row}, tmp / "trainer.pt")
                 final = ckpt.commit(root, tmp, self.step, self.recipe.train.keep_checkpoints)
@@ -336,15 +380,25 @@ class Trainer:
                 f"{found}: written by {written_by} process(es), this run has {self.acc.num_processes}; resume with "
                 f"{written_by} (e.g. accelerate launch --num_processes {written_by} ...), or start a new run from "
                 f"its weights: --set model.init_from={found / 'model'} with another out_dir")
-        load_weights(self.unwrapped, found / "model")
-        self.optimizer.load_state_dict(state["optimizer"])
+        rank = self.acc.process_index
+        if state.get("sharded", False) != self.sharded:
+            raise ResumeError(f"{found}: written {'with' if state.get('sharded') else 'without'} FSDP sharding; "
+                              "resume with the same accelerate launch settings")
+        if self.sharded:
+            shards = torch.load(found / f"shards_rank{rank}.pt", weights_only=False)
+            sharding.load_local_tensors(self.model.state_dict(), shards["model"])
+            sharding.load_optimizer_state(self.optimizer, shards["optimizer"])
+            if self.ema is not None and shards["ema"] is not None:
+                sharding.load_local_tensors(self.ema.shadow, shards["ema"])
+        else:
+            load_weights(self.unwrapped, found / "model")
+            self.optimizer.load_state_dict(state["optimizer"])
+            if self.ema is not None and state["ema"] is not None:
+                self.ema.load_state_dict(state["ema"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
         self.skipped_updates = state.get("skipped_updates", 0)
         self.skipped_in_a_row = state.get("skipped_in_a_row", 0)
-        if self.ema is not None and state["ema"] is not None:
-            self.ema.load_state_dict(state["ema"])
-        rank = self.acc.process_index
         data = torch.load(found / f"data_rank{rank}.pt", weights_only=False)
         self.objective.load_state_dict(data.pop("objective"))
         self.stream.load_state_dict(data)

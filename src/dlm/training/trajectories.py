@@ -52,11 +52,12 @@ class TrajectoryPool:
         return self.maskable[rows] & ~self.revealed[rows]
 
     # ---- transitions ------------------------------------------------------------------------------------------
-    def refill(self, rows: torch.Tensor, spread: bool = False) -> None:
-        """Fresh samples into `rows`: targets from the data stream, start state from the construction, zero carry."""
+    def refill(self, rows: torch.Tensor, spread: bool = False, examples: list | None = None) -> None:
+        """Fresh samples into `rows`: targets from the data stream (or `examples`, one per row), start state from the
+        construction, zero carry."""
         if len(rows) == 0:
             return
-        batch = self.collate(self.draw(len(rows)), pad_to=self.length)
+        batch = self.collate(examples if examples is not None else self.draw(len(rows)), pad_to=self.length)
         if batch["input_ids"].shape[1] != self.length:
             raise ValueError(f"a canvas of {batch['input_ids'].shape[1]} tokens does not fit the pool's {self.length}")
         self.target[rows] = batch["input_ids"]

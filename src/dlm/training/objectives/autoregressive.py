@@ -6,7 +6,10 @@ import torch.nn.functional as F
 
 
 class AutoregressiveObjective:
-    def loss(self, model, batch):
+    def plan(self, batch, update: int = 0, micro: int = 0) -> dict:
+        return {"count": batch["loss_mask"][:, 1:].sum()}
+
+    def loss(self, model, batch, plan=None):
         logits = model(batch["input_ids"], attention_mask=batch["attention_mask"])
         targets = batch["input_ids"][:, 1:]
         mask = batch["loss_mask"][:, 1:]

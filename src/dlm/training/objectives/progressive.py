@@ -34,13 +34,24 @@ from torch.utils.checkpoint import checkpoint
 from dlm.diffusion.masking import loss_weight
 from dlm.diffusion.progressive import StageConstruction, construction_for, student_forcing_ratio
 from dlm.modeling.blocks import block_forward, response_blocks
+from dlm.training.objectives.noise import mix, row_generators, rows_rand
 from dlm.training.trajectories import TrajectoryPool
+
+
+def _collective_device() -> torch.device:
+    """Where the process group's tensors live (gloo: CPU, NCCL: the GPU)."""
+    import torch.distributed as dist
+
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
 class ProgressiveObjective:
     def __init__(self, cfg, mask_token_id: int, seed: int, rank: int, batch_size: int, grad_accum: int,
-                 max_length: int, weight_cap: float = 5.0, z_loss: float = 1e-5, block_size: int | None = None):
+                 max_length: int, weight_cap: float = 5.0, z_loss: float = 1e-5, block_size: int | None = None,
+                 world: int = 1):
         self.cfg, self.mask_token_id, self.block_size = cfg, mask_token_id, block_size
+        self.seed, self.rank, self.world = seed, rank, world
+        self.stream = None
         self.weight_cap, self.z_loss = weight_cap, z_loss
         self.batch_size, self.grad_accum, self.max_length = batch_size, grad_accum, max_length
         self.generator = torch.Generator().manual_seed(seed * 1_000_003 + rank + 7)
@@ -57,7 +68,8 @@ class ProgressiveObjective:
     def attach(self, stream, collate, carry_dim: int | None) -> None:
         """Bind the data stream the pool refills from (called by the trainer before the first update)."""
         size = self.batch_size * self.grad_accum * self.cfg.pool_factor
-        self.pool = TrajectoryPool(size, self.max_length, stream.take, collate, self.mask_token_id,
+        self.stream = stream
+        self.pool = TrajectoryPool(size, self.max_length, self._draw, collate, self.mask_token_id,
                                    self.construction(), self.generator, self.cfg.pad_in_loss,
                                    carry_dim if self.cfg.carry else None)
         if self._pending_state is not None:
@@ -65,15 +77,25 @@ class ProgressiveObjective:
             self._pending_state = None
 
     # ---- one window -----------------------------------------------------------------------------------------------
-    def loss(self, model, batch=None):
-        """One BPTT window over the next chunk of the pool: (mean loss of its passes, count 1, metrics)."""
+    def plan(self, batch=None, update: int = 0, micro: int = 0) -> dict:
+        """Nothing to draw ahead: a window's loss is a mean over its passes, so it counts 1."""
+        return {"count": torch.ones(())}
+
+    def loss(self, model, batch=None, plan=None):
+        """One BPTT window over the next chunk of the pool: (mean loss of its passes, count 1, metrics).
+
+        Across processes the chunks of all ranks form one global chunk (rank r holds its rows r·b ... r·b + b - 1):
+        its width, the number of passes, the loss denominators and the refills are global, and the carry dropout
+        is keyed by global row, so 2 processes × b follow 1 process × 2b (threshold construction; student forcing,
+        Gumbel noise, random initial masking and the stage construction draw from this rank's generator)."""
         if self.pool is None:
             raise RuntimeError("the pu objective needs attach(stream, collate, carry_dim) before training")
         cfg, pool, g = self.cfg, self.pool, self.generator
         rows = self._next_rows()
         device = next(model.parameters()).device
-        # Like a collated batch, the chunk is cut to its longest canvas (padding beyond it is never attended).
-        width = int(pool.lengths[rows].max())
+        # Like a collated batch, the chunk is cut to its longest canvas over all ranks (padding beyond it is never
+        # attended).
+        width = int(self._all(pool.lengths[rows].max(), "max"))
         loss_mask = pool.loss_mask[rows, :width].to(device)
         attention = torch.ones(len(rows), width, dtype=torch.long, device=device)
         blocks = group = None  # block PUMBA: (prompt_len, width) of each row for the vectorised layout; block ids
@@ -88,12 +110,17 @@ class ProgressiveObjective:
         carry = pool.carry[rows, :width].to(device) if pool.carry is not None else None
         total = torch.zeros((), device=device)
         passes, metrics = 0, {"masked_fraction": 0.0, "revealed_per_step": 0.0, "active_fraction": 0.0}
-        for _ in range(cfg.window):
+        global_rows = self._global_rows(rows)
+        for pass_index in range(cfg.window):
             in_loss = (pool.masked(rows) & ~pool.done[rows][:, None])[:, :width].to(device) & loss_mask
             active = in_loss.any(-1)
-            if not bool(active.any()):
+            if not bool(self._all(active.any().float(), "max")):  # every rank runs the same passes (FSDP gathers)
                 break
-            carry_in = drop_carry(carry, cfg.carry_drop_prob, g)
+            keep = None
+            if carry is not None and cfg.carry_drop_prob > 0:
+                gens = row_generators(self.seed, mix(6, self.micro, pass_index), global_rows)
+                keep = rows_rand(gens, 1)[:, 0] < 1 - cfg.carry_drop_prob
+            carry_in = drop_carry(carry, cfg.carry_drop_prob, g, keep)
             noise = bridge.noise((len(rows), width, embed.weight.shape[0]), g, device)
             run = _Pass(model, embed, attention, pool.target[rows, :width].to(device), bridge, noise, blocks)
             args = (pool.canvas[rows, :width].to(device), carry_in, bridge.delta)
@@ -106,20 +133,21 @@ class ProgressiveObjective:
             reveal, _ = pool.advance(rows, conf.detach().cpu(), token.detach().cpu(), keep_truth, width)
             reveal = reveal[:, :width].to(device)
             step_loss, t, _ = pass_loss(ce, lse, in_loss, loss_mask, reveal, self.weight_cap, self.z_loss, group,
-                                        cfg.balance_lambda)
+                                        cfg.balance_lambda, self._all if self.world > 1 else None)
             extra = bridge.loss_term(ce, in_loss, active)
             if extra is not None:
                 total = total + extra
             total = total + step_loss
             passes += 1
-            metrics["masked_fraction"] += float(t[active].mean())
-            metrics["revealed_per_step"] += float(reveal.sum(-1).float()[active].mean())
+            if bool(active.any()):  # under several ranks a pass may have no active row here
+                metrics["masked_fraction"] += float(t[active].mean())
+                metrics["revealed_per_step"] += float(reveal.sum(-1).float()[active].mean())
             metrics["active_fraction"] += float(active.float().mean())
             # What the next pass receives.
             if carry is not None:
                 carry = hidden.float()
             bridge.commit(ce, reveal, soft)
-        loss = total / max(passes, 1)
+        loss = total * self.world / max(passes, 1)  # × world: the ranks' shares average to the global loss
         metrics = {k: v / max(passes, 1) for k, v in metrics.items()}
         metrics["passes"] = float(passes)
         metrics["tokens"] = float(passes * int(pool.lengths[rows].sum()))  # real canvas positions, not padding
@@ -140,11 +168,46 @@ class ProgressiveObjective:
             stored[:, :width] = carry.detach().float().cpu()
             pool.carry[rows] = stored
         retired = rows[pool.done[rows]]
-        pool.refill(retired)
+        if self.world > 1:  # refill in global row order from the shared stream, as one process would
+            counts = self._gather(torch.tensor([len(retired)]))
+            start = int(counts[: self.rank].sum())
+            pool.refill(retired, examples=self.stream.take_shared(int(counts.sum()), start, len(retired)))
+        else:
+            pool.refill(retired)
         self.micro += 1
         if self.micro % self.grad_accum == 0:
             self._end_update()
         return len(retired)
+
+    def _draw(self, n: int) -> list:
+        """n examples from the stream; the pool's first fill chunk by chunk under several ranks, so that chunk c of
+        rank r holds the examples of global rows c·W·b + r·b ... (as one process with the whole pool would)."""
+        if self.world == 1 or n % self.batch_size:
+            return self.stream.take(n)
+        return [e for _ in range(n // self.batch_size) for e in self.stream.take(self.batch_size)]
+
+    def _global_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Index of each local row in the global pool (chunk c of rank r holds global rows c·W·b + r·b + j)."""
+        b = self.batch_size
+        return (rows // b) * b * self.world + self.rank * b + rows % b
+
+    def _all(self, value: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """`value` reduced over ranks (sum or max); the identity in one process."""
+        if self.world == 1:
+            return value
+        import torch.distributed as dist
+
+        out = value.detach().float().cpu().clone() if op == "max" else value.float().clone()
+        backend_tensor = out.to(_collective_device())
+        dist.all_reduce(backend_tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+        return backend_tensor.to(value.device)
+
+    def _gather(self, value: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        parts = [torch.zeros_like(value).to(_collective_device()) for _ in range(self.world)]
+        dist.all_gather(parts, value.to(_collective_device()))
+        return torch.cat(parts).cpu()
 
     def _reinforce(self, logp: torch.Tensor, reward: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
         return reinforce_term(logp, reward, active, self.cfg.reinforce_weight)
@@ -178,19 +241,21 @@ class ProgressiveObjective:
 # ---- the loss of one pass -----------------------------------------------------------------------------------------
 def pass_loss(ce: torch.Tensor, lse: torch.Tensor, in_loss: torch.Tensor, loss_mask: torch.Tensor,
               reveal: torch.Tensor, weight_cap: float = 5.0, z_loss: float = 1e-5, group: torch.Tensor | None = None,
-              balance_lambda: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              balance_lambda: float | None = None, reduce=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, t [B], active [B]) of one pass (App. B.4.2) from per-position CE and log-sum-exp [B, L].
 
     `in_loss` [B, L]: masked positions in the loss; `loss_mask`: all positions in the loss; t = the masked fraction of
     each row's positions in the loss. Loss: Σ min(1/t, cap)·CE over `in_loss` (t per block under block PUMBA, with
     block ids `group`) / |in_loss|, or with `balance_lambda` λ PU+'s λ·mean CE on the positions this step reveals +
-    (1-λ)·mean CE on those still masked (Eq. F.2); plus z-loss · mean lse²; × the fraction of rows still active."""
+    (1-λ)·mean CE on those still masked (Eq. F.2); plus z-loss · mean lse²; × the fraction of rows still active.
+    With `reduce` (a sum over ranks) every count and fraction is global: this rank's share of the global loss."""
+    reduce = reduce or (lambda x: x)
     active = in_loss.any(-1)
-    count = in_loss.sum().clamp(min=1)
+    count = reduce(in_loss.sum()).clamp(min=1)
     t = in_loss.sum(-1).float() / loss_mask.sum(-1).clamp(min=1).float()
     if balance_lambda is not None:  # PU+ Eq. F.2
         def part(sel):
-            return (ce * sel).sum() / sel.sum().clamp(min=1)
+            return (ce * sel).sum() / reduce(sel.sum()).clamp(min=1)
 
         loss = balance_lambda * part(in_loss & reveal) + (1 - balance_lambda) * part(in_loss & ~reveal)
     else:
@@ -200,7 +265,8 @@ def pass_loss(ce: torch.Tensor, lse: torch.Tensor, in_loss: torch.Tensor, loss_m
             weight = block_weights(in_loss, loss_mask, group, weight_cap)
         loss = ((weight * ce) * in_loss).sum() / count
     loss = loss + z_loss * (lse.square() * in_loss).sum() / count
-    return loss * active.float().mean(), t, active
+    share = reduce(active.float().sum()) / reduce(torch.tensor(float(active.numel()), device=active.device))
+    return loss * share, t, active
 
 
 def block_weights(in_loss: torch.Tensor, loss_mask: torch.Tensor, group: torch.Tensor, cap: float) -> torch.Tensor:
@@ -212,11 +278,15 @@ def block_weights(in_loss: torch.Tensor, loss_mask: torch.Tensor, group: torch.T
     return torch.where(in_loss, loss_weight(t.clamp(min=1e-6), cap), 0.0)
 
 
-def drop_carry(carry: torch.Tensor | None, drop_prob: float, generator: torch.Generator) -> torch.Tensor | None:
-    """Carry dropout (Jo et al. 2026): each row's carry is zeroed with probability `drop_prob` (0: always passed)."""
+def drop_carry(carry: torch.Tensor | None, drop_prob: float, generator: torch.Generator,
+               keep: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Carry dropout (Jo et al. 2026): each row's carry is zeroed with probability `drop_prob` (0: always passed);
+    `keep` [B] gives the draw (else from `generator`)."""
     if carry is None or drop_prob <= 0:
         return carry
-    keep = (torch.rand(carry.shape[0], generator=generator) < 1 - drop_prob).to(carry.device)
+    if keep is None:
+        keep = torch.rand(carry.shape[0], generator=generator) < 1 - drop_prob
+    keep = keep.to(carry.device)
     return carry * keep[:, None, None].to(carry.dtype)
 
 

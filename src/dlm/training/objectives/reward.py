@@ -28,7 +28,10 @@ def scores_through_wrapper(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class RewardObjective:
-    def loss(self, model, batch):
+    def plan(self, batch, update: int = 0, micro: int = 0) -> dict:
+        return {"count": batch["input_ids"].new_tensor(batch["input_ids"].shape[0] // 2)}  # pairs
+
+    def loss(self, model, batch, plan=None):
         scores, logits = scores_through_wrapper(model, batch)
         B = scores.shape[0] // 2
         chosen, rejected = scores[:B], scores[B:]

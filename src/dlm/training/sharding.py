@@ -1,0 +1,136 @@
+"""FSDP2 as a component around the model: `shard` (fully_shard per decoder layer, then the root), full state dicts
+for saving, and each rank's shards (weights, optimizer, EMA) for exact resume. Under DDP every helper is the identity.
+
+dlm applies `fully_shard` itself under `accelerate launch --use_fsdp --fsdp_version 2` rather than through
+`Accelerator.prepare`: accelerate enables FSDP only on accelerators (on CPU it silently runs DDP), and its FSDP2
+preparation unties the embedding from the LM head of a wrapped HF model. The trainer then owns gradient sync
+(`set_requires_gradient_sync`) and clipping; accelerate still launches, places and autocasts."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from accelerate import Accelerator
+from torch.distributed.tensor import DTensor
+
+from dlm.errors import DlmError
+
+
+def fsdp_requested() -> bool:
+    """Whether the run was launched with `accelerate launch --use_fsdp` (FSDP2 required)."""
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
+        return False
+    if os.environ.get("FSDP_VERSION", "1") != "2":
+        raise DlmError("dlm shards with FSDP2 only: accelerate launch --use_fsdp --fsdp_version 2 ...")
+    return True
+
+
+def accelerator(mixed_precision: str) -> Accelerator:
+    return Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=mixed_precision)
+
+
+def shard(model: torch.nn.Module, world_size: int) -> torch.nn.Module:
+    """FSDP2 full shard: every decoder layer (the backbone's `_no_split_modules`) is its own unit, the rest (the
+    embeddings, tied to the LM head, and dlm's extras) the root's. Tied weights stay one parameter."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    mesh = init_device_mesh(device, (world_size,))
+    layer_types = set(getattr(model.backbone, "_no_split_modules", None) or ())
+    for module in model.modules():
+        if type(module).__name__ in layer_types:
+            fully_shard(module, mesh=mesh)
+    model = fully_shard(model, mesh=mesh)
+    model.register_forward_pre_hook(_inputs_inside, with_kwargs=True)  # after FSDP's: the parameters are gathered
+    return model
+
+
+def _inputs_inside(module, args, kwargs):
+    """`model(None, inputs_fn=f, ...)` computes inputs_embeds = f() inside the root's forward, where the root's
+    parameters (embeddings, dlm's extras) are gathered and their gradients reach FSDP's reduce-scatter."""
+    if "inputs_fn" in kwargs:
+        kwargs = dict(kwargs)
+        kwargs["inputs_embeds"] = kwargs.pop("inputs_fn")()
+        return args, kwargs
+    return None
+
+
+def forward_with_inputs(model, inputs_fn, *args, **kwargs):
+    """model(*args, inputs_embeds=inputs_fn(), **kwargs), with inputs_fn run inside the forward of a sharded model
+    (it reads the embedding weights, which FSDP2 gathers only there)."""
+    if is_sharded(model):
+        return model(*args, inputs_fn=inputs_fn, **kwargs)
+    return model(*args, inputs_embeds=inputs_fn(), **kwargs)
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def local(t):
+    """This rank's shard of a DTensor; any other value unchanged."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor (a collective for a DTensor: every rank calls it, in the same order)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The full state dict of a sharded model on CPU, on rank 0 (empty elsewhere; a collective); keys as in the
+    unsharded model."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    first: dict[int, str] = {}  # tied weights (embedding = LM head) stay one tensor, as save_pretrained expects
+    for name, p in model.named_parameters(remove_duplicate=False):
+        kept = first.setdefault(id(p), name)
+        if kept != name and kept in state and name in state:
+            state[name] = state[kept]
+    return state
+
+
+def local_tensors(tensors: dict) -> dict:
+    """{name: this rank's shard} of a dict of (possibly sharded) tensors."""
+    return {k: local(v).detach().clone() for k, v in tensors.items()}
+
+
+@torch.no_grad()
+def load_local_tensors(tensors: dict, saved: dict) -> None:
+    """Copy saved shards into the (possibly sharded) tensors of the same names."""
+    if set(tensors) != set(saved):
+        raise ValueError(f"sharded state has {sorted(set(saved) ^ set(tensors))[:4]} unmatched: was it written with "
+                         "another model or another number of processes?")
+    for k, v in tensors.items():
+        local(v).copy_(saved[k])
+
+
+def optimizer_state(optimizer) -> dict:
+    """The optimizer's state dict with each DTensor replaced by this rank's shard and its layout."""
+    state = optimizer.state_dict()
+    return {"state": {i: {k: _pack(v) for k, v in s.items()} for i, s in state["state"].items()},
+            "param_groups": state["param_groups"]}
+
+
+def load_optimizer_state(optimizer, saved: dict) -> None:
+    """Load an `optimizer_state` (the shards wrapped back as DTensors on their parameter's mesh)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = {i: {k: _unpack(v, params[i]) for k, v in s.items()} for i, s in saved["state"].items()}
+    optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
+
+
+def _pack(v):
+    if isinstance(v, DTensor):
+        return {"local": v.to_local().clone(), "placements": tuple(v.placements), "shape": tuple(v.shape),
+                "stride": tuple(v.stride())}
+    return v.clone() if torch.is_tensor(v) else v
+
+
+def _unpack(v, param):
+    if isinstance(v, dict) and "placements" in v:
+        return DTensor.from_local(v["local"], param.device_mesh, v["placements"], shape=torch.Size(v["shape"]),
+                                  stride=v["stride"])
+    return v
