@@ -42,7 +42,10 @@ COMMON = ["train.steps=3", "train.checkpoint_every=100", "data.n_test=2"]
 RESUME = {"ema": ["train.objective=mdm", "model.attention=bidirectional", "train.ema_decay=0.5"],
           "pu": OBJECTIVES["pu-w2-carry"]}
 RESUME_COMMON = ["train.steps=4", "train.checkpoint_every=2", "data.n_test=2"]
-MODES = {"ddp": ["--multi_gpu"], "fsdp": ["--use_fsdp", "--fsdp_version", "2"]}
+MODES = {"ddp": ["--multi_gpu"], "fsdp": ["--use_fsdp", "--fsdp_version", "2"],
+         # hybrid sharding (recipes/accelerate/fsdp2-hsdp.yaml) at its smallest: 2 replicas of a 1-way shard
+         "hsdp": ["--use_fsdp", "--fsdp_version", "2", "--parallelism_config_dp_replicate_size", "2",
+                  "--parallelism_config_dp_shard_size", "1"]}
 
 
 def _free_port() -> int:
@@ -58,7 +61,7 @@ def launch(mode: str, jobs: list[dict], workdir: Path) -> None:
     cmd = [launcher, "launch", *MODES[mode], "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
            "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
            str(Path(__file__).with_name("dist_driver.py")), str(workdir / f"{mode}.json")]
-    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1",
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "DLM_DRIVER_TIMEOUT": "500",
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"), str(Path(__file__).parents[1])])}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=Path(__file__).parents[1])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -82,6 +85,10 @@ def runs(tmp_path_factory):
     for mode in MODES:  # 2 processes × b
         out = root / mode
         out.mkdir()
+        if mode == "hsdp":  # the mesh, not the objectives, is under test: one objective and one checkpoint
+            launch(mode, [_job(out, data, "ar", *COMMON), _job(out, data, "ema-full", *RESUME_COMMON, *RESUME["ema"])],
+                   out)
+            continue
         jobs = [_job(out, data, name, *COMMON, *extra) for name, extra in OBJECTIVES.items()]
         for name, extra in RESUME.items():
             if mode == "fsdp" and name == "pu":
@@ -106,8 +113,7 @@ def max_diff(a: dict, b: dict) -> float:
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
 
 
-@pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("objective", list(OBJECTIVES))
+@pytest.mark.parametrize("mode,objective", [(m, o) for m in ("ddp", "fsdp") for o in OBJECTIVES] + [("hsdp", "ar")])
 def test_two_processes_match_one_process_with_double_batch(runs, mode, objective):
     ref, got = losses(runs / "one" / objective), losses(runs / mode / objective)
     assert len(got) == len(ref) == 3
@@ -145,3 +151,14 @@ def test_fsdp_saves_the_gathered_ema_model_of_one_process(runs):
     assert max_diff(two, one) < 5e-5
     live = load_file(runs / "fsdp" / "ema-full" / "checkpoints" / "step_0000004" / "model" / "model.safetensors")
     assert max_diff(two, live) > 5e-4  # the saved model is the average, not the live weights
+
+
+def test_hybrid_sharding_replicates_across_the_replica_dimension(runs):
+    """Under fsdp2-hsdp's parallelism_config the mesh is (replicate, shard): with a 1-way shard every rank's shard is
+    the whole tensor (under plain FSDP2 each rank holds half), and the EMA model still equals one process's."""
+    step2 = runs / "hsdp" / "ema-full" / "checkpoints" / "step_0000002"
+    emb = "backbone.model.embed_tokens.weight"
+    full = weights(runs / "hsdp" / "ema-full")[emb.removeprefix("backbone.")]
+    for r in (0, 1):
+        assert torch.load(step2 / f"shards_rank{r}.pt", weights_only=False)["model"][emb].shape == full.shape
+    assert max_diff(weights(runs / "hsdp" / "ema-full"), weights(runs / "one" / "ema")) < 5e-5

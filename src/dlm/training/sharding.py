@@ -37,7 +37,11 @@ def shard(model: torch.nn.Module, world_size: int) -> torch.nn.Module:
     from torch.distributed.fsdp import fully_shard
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    mesh = init_device_mesh(device, (world_size,))
+    replicate = hybrid_replicas(world_size)
+    if replicate > 1:  # HSDP: sharded within groups of world / replicate processes, replicated across them
+        mesh = init_device_mesh(device, (replicate, world_size // replicate), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh(device, (world_size,))
     layer_types = set(getattr(model.backbone, "_no_split_modules", None) or ())
     for module in model.modules():
         if type(module).__name__ in layer_types:
@@ -45,6 +49,18 @@ def shard(model: torch.nn.Module, world_size: int) -> torch.nn.Module:
     model = fully_shard(model, mesh=mesh)
     model.register_forward_pre_hook(_inputs_inside, with_kwargs=True)  # after FSDP's: the parameters are gathered
     return model
+
+
+def hybrid_replicas(world_size: int) -> int:
+    """How many replicas of the sharded model the launch asks for: accelerate exports a config file's
+    `parallelism_config` (recipes/accelerate/fsdp2-hsdp.yaml: 8 nodes x 8 GPUs) as PARALLELISM_CONFIG_DP_* variables;
+    1 = plain full shard over every process."""
+    replicate = int(os.environ.get("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "1") or 1)
+    shard = int(os.environ.get("PARALLELISM_CONFIG_DP_SHARD_SIZE", "0") or 0) or world_size // max(replicate, 1)
+    if replicate < 1 or replicate * shard != world_size:
+        raise DlmError(f"parallelism_config: dp_replicate_size {replicate} x dp_shard_size {shard} != {world_size} "
+                       "processes; make their product the process count")
+    return replicate
 
 
 def _inputs_inside(module, args, kwargs):
