@@ -30,6 +30,9 @@ OBJECTIVES = {
     "pu-w1": ["train.objective=pu", "model.attention=bidirectional"],
     "pu-w2-carry": ["train.objective=pu", "model.attention=bidirectional", "progressive.carry=true",
                     "progressive.window=2", "progressive.carry_drop_prob=0.5"],
+    # two chunks of the pool (PU+ pool_factor) advanced by two accumulated micro-batches
+    "pu-chunks": ["train.objective=pu", "model.attention=bidirectional", "progressive.pool_factor=2",
+                  "train.grad_accum=2"],
     "simplex": ["train.objective=simplex", "model.attention=bidirectional", "model.label_shift=true",
                 "simplex.masking=ul2", "simplex.timesteps=100", "eval.inference_steps=2"],
     "reward": ["train.objective=reward", "data.preference_pairs=true"],

@@ -25,9 +25,9 @@ def poison(monkeypatch, updates, where="loss"):
     counted by calls: one call per update here (grad_accum 1)."""
     real, calls = AutoregressiveObjective.loss, []
 
-    def loss(self, model, batch):
+    def loss(self, model, batch, plan=None):
         calls.append(1)
-        l_sum, n, m = real(self, model, batch)
+        l_sum, n, m = real(self, model, batch, plan)
         if len(calls) in updates:
             if where == "loss":
                 l_sum = l_sum * float("nan")

@@ -69,7 +69,7 @@ class ProgressiveObjective:
         """Bind the data stream the pool refills from (called by the trainer before the first update)."""
         size = self.batch_size * self.grad_accum * self.cfg.pool_factor
         self.stream = stream
-        self.pool = TrajectoryPool(size, self.max_length, stream.take, collate, self.mask_token_id,
+        self.pool = TrajectoryPool(size, self.max_length, self._draw, collate, self.mask_token_id,
                                    self.construction(), self.generator, self.cfg.pad_in_loss,
                                    carry_dim if self.cfg.carry else None)
         if self._pending_state is not None:
@@ -86,8 +86,8 @@ class ProgressiveObjective:
 
         Across processes the chunks of all ranks form one global chunk (rank r holds its rows r·b ... r·b + b - 1):
         its width, the number of passes, the loss denominators and the refills are global, and the carry dropout
-        is keyed by global row, so 2 processes × b follow 1 process × 2b (threshold construction, a pool of one
-        chunk; student forcing, Gumbel noise and the stage construction draw from this rank's generator)."""
+        is keyed by global row, so 2 processes × b follow 1 process × 2b (threshold construction; student forcing,
+        Gumbel noise, random initial masking and the stage construction draw from this rank's generator)."""
         if self.pool is None:
             raise RuntimeError("the pu objective needs attach(stream, collate, carry_dim) before training")
         cfg, pool, g = self.cfg, self.pool, self.generator
@@ -178,6 +178,13 @@ class ProgressiveObjective:
         if self.micro % self.grad_accum == 0:
             self._end_update()
         return len(retired)
+
+    def _draw(self, n: int) -> list:
+        """n examples from the stream; the pool's first fill chunk by chunk under several ranks, so that chunk c of
+        rank r holds the examples of global rows c·W·b + r·b ... (as one process with the whole pool would)."""
+        if self.world == 1 or n % self.batch_size:
+            return self.stream.take(n)
+        return [e for _ in range(n // self.batch_size) for e in self.stream.take(self.batch_size)]
 
     def _global_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """Index of each local row in the global pool (chunk c of rank r holds global rows c·W·b + r·b + j)."""
