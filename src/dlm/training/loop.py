@@ -119,7 +119,8 @@ class Trainer:
                                   rank=self.acc.process_index, world_size=self.acc.num_processes)
 
         set_seed(tc.seed)
-        model = build_model(recipe, self.tok)
+        with self._unpartitioned():  # ZeRO-3 partitions at `prepare`: the same initial weights as one process
+            model = build_model(recipe, self.tok)
         self.n_params = count_parameters(model)
         self.n_trainable = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
         self.sharded = sharding.fsdp_requested() and self.acc.num_processes > 1
