@@ -101,7 +101,7 @@ def count_parameters(model: nn.Module, exclude_embeddings: bool = False) -> int:
         if id(p) in seen or id(p) in skip:
             continue
         seen.add(id(p))
-        total += p.numel()
+        total += getattr(p, "ds_numel", p.numel())  # a ZeRO-3 partitioned parameter holds its size in ds_numel
     return total
 
 

@@ -89,8 +89,21 @@ class Trainer:
         self.recipe, self.progress = recipe, progress
         self.run_dir = Path(recipe.out_dir)
         AcceleratorState._reset_state()  # precision is per run; the process group (PartialState) is kept
-        self.acc = sharding.accelerator("bf16" if recipe.train.precision == "bf16" else "no")
         tc = recipe.train
+        self.acc = sharding.accelerator("bf16" if tc.precision == "bf16" else "no", tc.grad_accum)
+        # DeepSpeed (ZeRO-2/3 through accelerate) owns the gradients and steps inside `backward`; ZeRO-3 also
+        # partitions the weights, so saving and evaluating gather them like FSDP2.
+        self.deepspeed = self.acc.distributed_type == DistributedType.DEEPSPEED
+        self.zero_stage = sharding.configure_deepspeed(self.acc, tc.batch_size, tc.grad_accum, recipe.optim.grad_clip) \
+            if self.deepspeed else 0
+        if self.zero_stage == 3 and tc.objective in ("pu", "simplex", "reward"):  # see sharding.forward_with_inputs
+            raise RecipeError(f"train.objective: {tc.objective} is not supported under DeepSpeed ZeRO-3: these "
+                              "objectives use weights outside the model's forward (soft embeddings, the reward head), "
+                              "which ZeRO-3 leaves partitioned there; use FSDP2 (recipes/accelerate/fsdp2.yaml) or "
+                              "ZeRO-2")
+        if self.zero_stage == 3 and tc.ema_decay:
+            raise RecipeError("train.ema_decay: EMA is not supported under DeepSpeed ZeRO-3 (its weights are "
+                              "partitioned); use FSDP2 (recipes/accelerate/fsdp2.yaml) or ZeRO-2, or set ema_decay: null")
         set_seed(tc.seed)
         if self.acc.is_main_process:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -106,12 +119,14 @@ class Trainer:
                                   rank=self.acc.process_index, world_size=self.acc.num_processes)
 
         set_seed(tc.seed)
-        model = build_model(recipe, self.tok)
+        with self._unpartitioned():  # ZeRO-3 partitions at `prepare`: the same initial weights as one process
+            model = build_model(recipe, self.tok)
         if tc.activation_checkpointing:
             model.enable_activation_checkpointing()
         self.n_params = count_parameters(model)
-        self.n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        self.n_trainable = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
         self.sharded = sharding.fsdp_requested() and self.acc.num_processes > 1
+        self.gathers = self.sharded or self.zero_stage == 3  # weights partitioned: saving and evaluation gather them
         if self.sharded:  # FSDP2, applied by dlm (`dlm.training.sharding`); the optimizer holds the DTensor shards
             model = sharding.shard(model.to(self.acc.device), self.acc.num_processes)
         oc = recipe.optim
@@ -127,6 +142,9 @@ class Trainer:
             self.model, self.optimizer = model, optimizer
         else:
             self.model, self.optimizer = self.acc.prepare(model, optimizer)
+        if self.deepspeed:  # ZeRO regroups the optimizer's parameters: schedule the groups it steps
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(sharding.torch_optimizer(self.optimizer),
+                                                               self.scheduler.lr_lambdas[0])
         self.objective = build_objective(tc.objective, recipe, self.tok.mask_token_id, self.acc.process_index,
                                          self.acc.num_processes)
         # Objectives that keep their own samples (PU trajectory pools) refill from the stream themselves.
@@ -166,11 +184,14 @@ class Trainer:
             if self.sharded:  # FSDP2 reduce-scatters after the last micro-batch only
                 self.model.set_requires_gradient_sync(sync)
                 ctx = _nullcontext()
+            elif self.deepspeed:  # the engine steps at the last micro-batch; its backward divides by grad_accum
+                self.acc.gradient_state._set_sync_gradients(sync)
+                ctx = _nullcontext()
             else:
                 ctx = self.acc.no_sync(self.model) if not sync else _nullcontext()
             with ctx, self.acc.autocast():
                 l_sum, _, m = self.objective.loss(self.model, batch, plan)
-                self.acc.backward(l_sum * scale)
+                self.acc.backward(l_sum * (scale * tc.grad_accum if self.deepspeed else scale))
             # Objectives that own their data report the real (non-padding) tokens their passes processed.
             seen = m["tokens"] if batch is None else int(batch["attention_mask"].sum())
             self.tokens_seen += int(seen) * world
@@ -189,7 +210,8 @@ class Trainer:
         if not skip:
             if self.recipe.optim.grad_clip:
                 clip = torch.nn.utils.clip_grad_norm_ if self.sharded else self.acc.clip_grad_norm_
-                grad_norm = float(sharding.full(clip(self.model.parameters(), self.recipe.optim.grad_clip)))
+                norm = clip(self.model.parameters(), self.recipe.optim.grad_clip)  # DeepSpeed: clipped already
+                grad_norm = float(sharding.full(norm)) if norm is not None else None
             self.optimizer.step()
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -256,14 +278,15 @@ class Trainer:
         if split not in self.splits or "answer" not in self.splits[split][0]:
             return {}
         result = {}
-        state = self._model_state(ema=True) if self.sharded else None  # a collective: every rank gathers
+        state = self._model_state(ema=True) if self.gathers else None  # a collective: every rank gathers
         if self.acc.is_main_process:
             from dlm.evaluation.tasks import evaluate
 
             records = self.splits[split][:n] if n else self.splits[split]
             ec = self.recipe.eval
-            if self.sharded:  # FSDP2: a full copy on rank 0 (a lone rank cannot run the sharded model)
-                model = build_model(self.recipe, self.tok)
+            if self.gathers:  # FSDP2, ZeRO-3: a full copy on rank 0 (a lone rank cannot run the sharded model)
+                with self._unpartitioned():
+                    model = build_model(self.recipe, self.tok)
                 model.load_state_dict(state)
                 ctx = _nullcontext(model.to(self.acc.device))
             else:
@@ -278,10 +301,17 @@ class Trainer:
         self.acc.wait_for_everyone()
         return result
 
+    def _unpartitioned(self):
+        """A context where models are built whole (under ZeRO-3 transformers would build them partitioned, which is
+        a collective: rank 0's evaluation copy would wait for the other ranks forever)."""
+        return sharding.unpartitioned(self.acc) if self.zero_stage == 3 else _nullcontext()
+
     # ---- persistence ------------------------------------------------------------------------------------------
     def _model_state(self, ema: bool) -> dict[str, torch.Tensor] | None:
         """The weights to save (EMA values when `ema` and enabled): None for the live tensors of an unsharded model;
-        under FSDP2 the full state dict, gathered on every rank (a collective)."""
+        under FSDP2 the full state dict, gathered on every rank (a collective); under ZeRO-3 on rank 0."""
+        if self.zero_stage == 3:
+            return self.acc.get_state_dict(self.model)  # needs zero3_save_16bit_model: true (recipes/accelerate)
         if not self.sharded:
             return self.ema.weights_for(self.unwrapped) if ema and self.ema else None
         state = sharding.full_state_dict(self.model)
@@ -329,7 +359,12 @@ class Trainer:
                                tmp / f"shards_rank{rank}.pt")
             except OSError as err:
                 error = err
-        full = sharding.full_state_dict(self.model) if tmp is not None and self.sharded else None  # collective
+        full = self._model_state(ema=False) if tmp is not None and self.gathers else None  # collective
+        if tmp is not None and self.deepspeed:  # every rank writes its partition of the optimizer (a collective)
+            try:
+                self.model.save_checkpoint(str(tmp / "deepspeed"), tag="state")
+            except OSError as err:
+                error = err
         if tmp is not None and not self._failed_anywhere(error) and main:  # every rank's files are in place
             try:
                 save_model(self.unwrapped, tmp / "model", state_dict=full)  # a LoRA run: its trainable tensors only
@@ -337,7 +372,8 @@ class Trainer:
                 if os.environ.get(FAULT_ENV) == str(self.step):
                     os._exit(17)  # simulated crash mid-write (tests)
                 sharded = self.sharded  # FSDP2: optimizer and EMA live in the shards files
-                torch.save({"optimizer": None if sharded else self.optimizer.state_dict(),
+                torch.save({"optimizer": None if sharded or self.deepspeed else self.optimizer.state_dict(),
+                            "deepspeed": self.deepspeed,
                             "scheduler": self.scheduler.state_dict(), "step": self.step,
                             "tokens_seen": self.tokens_seen, "sharded": sharded,
                             "ema": self.ema.state_dict() if self.ema and not sharded else None,
@@ -384,7 +420,14 @@ class Trainer:
         if state.get("sharded", False) != self.sharded:
             raise ResumeError(f"{found}: written {'with' if state.get('sharded') else 'without'} FSDP sharding; "
                               "resume with the same accelerate launch settings")
-        if self.sharded:
+        if state.get("deepspeed", False) != self.deepspeed:
+            raise ResumeError(f"{found}: written {'with' if state.get('deepspeed') else 'without'} DeepSpeed; "
+                              "resume with the same accelerate launch settings")
+        if self.deepspeed:  # weights and each rank's optimizer partition; EMA (ZeRO-2 only) in trainer.pt
+            self.model.load_checkpoint(str(found / "deepspeed"), tag="state")
+            if self.ema is not None and state["ema"] is not None:
+                self.ema.load_state_dict(state["ema"])
+        elif self.sharded:
             shards = torch.load(found / f"shards_rank{rank}.pt", weights_only=False)
             sharding.load_local_tensors(self.model.state_dict(), shards["model"])
             sharding.load_optimizer_state(self.optimizer, shards["optimizer"])

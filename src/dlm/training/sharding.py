@@ -9,12 +9,33 @@ preparation unties the embedding from the LM head of a wrapped HF model. The tra
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 import torch
 from accelerate import Accelerator
 from torch.distributed.tensor import DTensor
 
 from dlm.errors import DlmError
+
+
+@contextmanager
+def unpartitioned(acc: Accelerator):
+    """Build models whole inside this context: accelerate registers the ZeRO-3 config with transformers, which then
+    builds every model partitioned (`deepspeed.zero.Init`, a collective on every rank)."""
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        acc.state.deepspeed_plugin.set_deepspeed_weakref()
+
+
+def torch_optimizer(optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer inside accelerate's and DeepSpeed's wrappers (whose param groups a scheduler must set)."""
+    while not isinstance(optimizer, torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
 
 
 def fsdp_requested() -> bool:
@@ -26,8 +47,33 @@ def fsdp_requested() -> bool:
     return True
 
 
-def accelerator(mixed_precision: str) -> Accelerator:
+def deepspeed_requested() -> bool:
+    """Whether the run was launched with a DeepSpeed config (`accelerate launch --config_file zero2.yaml ...`)."""
+    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+
+
+def accelerator(mixed_precision: str, grad_accum: int = 1) -> Accelerator:
+    """The run's Accelerator. Under DeepSpeed without CUDA (its CPU accelerator, gloo), accelerate needs the process
+    group's backend named up front: `Accelerator(cpu=True)` refuses DeepSpeed, and `cpu=False` on a machine without
+    an accelerator silently gives every rank a world of one."""
+    if deepspeed_requested():
+        if not torch.cuda.is_available():
+            from accelerate import PartialState
+
+            PartialState(backend="gloo")
+        return Accelerator(cpu=False, mixed_precision=mixed_precision, gradient_accumulation_steps=grad_accum)
     return Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=mixed_precision)
+
+
+def configure_deepspeed(acc: Accelerator, micro_batch: int, grad_accum: int, grad_clip: float | None) -> int:
+    """Write the recipe's batch, accumulation and clipping into the DeepSpeed config before `prepare` (the accelerate
+    config file need not repeat them); returns the ZeRO stage."""
+    config = acc.state.deepspeed_plugin.deepspeed_config
+    config["train_micro_batch_size_per_gpu"] = micro_batch
+    config["gradient_accumulation_steps"] = grad_accum
+    config["train_batch_size"] = micro_batch * grad_accum * acc.num_processes
+    config["gradient_clipping"] = float(grad_clip or 0.0)
+    return int(config.get("zero_optimization", {}).get("stage", 0))
 
 
 def shard(model: torch.nn.Module, world_size: int) -> torch.nn.Module:
