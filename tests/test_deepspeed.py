@@ -32,7 +32,8 @@ RESUME = {"zero2": ["train.objective=mdm", "model.attention=bidirectional", "tra
 def launch(stage: str, jobs: list[dict], workdir: Path) -> None:
     (workdir / "jobs.json").write_text(json.dumps(jobs))
     cmd = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--use_deepspeed", "--zero_stage",
-           STAGES[stage], "--zero3_save_16bit_model", "true", "--zero3_init_flag", "false", "--num_processes", "2", "--num_machines", "1",
+           STAGES[stage], "--zero3_save_16bit_model", "true", "--zero3_init_flag", "false", "--num_processes", "2",
+           "--num_machines", "1",
            "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
            str(Path(__file__).with_name("dist_driver.py")), str(workdir / "jobs.json")]
     env = {k: v for k, v in os.environ.items() if k != "ACCELERATE_USE_CPU"}  # DeepSpeed refuses accelerate's cpu mode

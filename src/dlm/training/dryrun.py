@@ -315,13 +315,9 @@ def estimate(recipe: Recipe, recipe_path: str | Path | None = None) -> dict:
     seconds = flops / (par.processes * gpu.peak_flops * sc.mfu)
 
     notes = []
-    layer_class = type(model.backbone.base_model.layers[0]).__name__
-    if par.backend == "fsdp2" and par.wrap != layer_class:
-        notes.append(f"{par.config} wraps {par.wrap or 'no layer class'}; this model's layers are {layer_class}: "
-                     f"add --fsdp_transformer_layer_cls_to_wrap {layer_class} to the launch line")
-    if par.deepspeed:
-        notes.append("dlm's training loop does not support DeepSpeed yet (its optimizer step runs inside backward, "
-                     "before dlm normalises the gradients): see the CAUTION in the config")
+    if par.backend == "zero3" and tc.objective in ("pu", "simplex", "reward"):
+        notes.append(f"the trainer refuses {tc.objective} under ZeRO-3 (weights used outside the forward): use "
+                     "recipes/accelerate/fsdp2.yaml")
     if total_bytes > gpu.memory_bytes and not tc.activation_checkpointing and act_with < activations:
         notes.append(f"train.activation_checkpointing: true would cut activations to {_g(act_with)} (total "
                      f"{_g(total_bytes - activations + act_with)})")

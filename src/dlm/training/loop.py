@@ -103,7 +103,8 @@ class Trainer:
                               "ZeRO-2")
         if self.zero_stage == 3 and tc.ema_decay:
             raise RecipeError("train.ema_decay: EMA is not supported under DeepSpeed ZeRO-3 (its weights are "
-                              "partitioned); use FSDP2 (recipes/accelerate/fsdp2.yaml) or ZeRO-2, or set ema_decay: null")
+                              "partitioned); use FSDP2 (recipes/accelerate/fsdp2.yaml) or ZeRO-2, or set "
+                              "ema_decay: null")
         set_seed(tc.seed)
         if self.acc.is_main_process:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -128,7 +129,7 @@ class Trainer:
         self.sharded = sharding.fsdp_requested() and self.acc.num_processes > 1
         self.gathers = self.sharded or self.zero_stage == 3  # weights partitioned: saving and evaluation gather them
         if self.sharded:  # FSDP2, applied by dlm (`dlm.training.sharding`); the optimizer holds the DTensor shards
-            model = sharding.shard(model.to(self.acc.device), self.acc.num_processes)
+            model = sharding.shard(model.to(self.acc.device), self.acc.num_processes, tc.precision == "bf16")
         oc = recipe.optim
         trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: adapters + dlm's modules
         decay = [p for p in trainable if p.ndim >= 2]

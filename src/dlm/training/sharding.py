@@ -76,11 +76,12 @@ def configure_deepspeed(acc: Accelerator, micro_batch: int, grad_accum: int, gra
     return int(config.get("zero_optimization", {}).get("stage", 0))
 
 
-def shard(model: torch.nn.Module, world_size: int) -> torch.nn.Module:
+def shard(model: torch.nn.Module, world_size: int, bf16: bool = False) -> torch.nn.Module:
     """FSDP2 full shard: every decoder layer (the backbone's `_no_split_modules`) is its own unit, the rest (the
-    embeddings, tied to the LM head, and dlm's extras) the root's. Tied weights stay one parameter."""
+    embeddings, tied to the LM head, and dlm's extras) the root's. Tied weights stay one parameter. With `bf16` the
+    fp32 shards are gathered as bf16 copies (half the traffic and the gathered memory) and gradients reduced in fp32."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     replicate = hybrid_replicas(world_size)
@@ -88,11 +89,13 @@ def shard(model: torch.nn.Module, world_size: int) -> torch.nn.Module:
         mesh = init_device_mesh(device, (replicate, world_size // replicate), mesh_dim_names=("replicate", "shard"))
     else:
         mesh = init_device_mesh(device, (world_size,))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else \
+        MixedPrecisionPolicy()
     layer_types = set(getattr(model.backbone, "_no_split_modules", None) or ())
     for module in model.modules():
         if type(module).__name__ in layer_types:
-            fully_shard(module, mesh=mesh)
-    model = fully_shard(model, mesh=mesh)
+            fully_shard(module, mesh=mesh, mp_policy=policy)
+    model = fully_shard(model, mesh=mesh, mp_policy=policy)
     model.register_forward_pre_hook(_inputs_inside, with_kwargs=True)  # after FSDP's: the parameters are gathered
     return model
 
