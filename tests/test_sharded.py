@@ -33,6 +33,8 @@ OBJECTIVES = {
     # two chunks of the pool (PU+ pool_factor) advanced by two accumulated micro-batches
     "pu-chunks": ["train.objective=pu", "model.attention=bidirectional", "progressive.pool_factor=2",
                   "train.grad_accum=2"],
+    "block-pu": ["train.objective=pu", "model.attention=block_causal", "model.block_size=16", "progressive.carry=true",
+                 "progressive.window=2"],
     "simplex": ["train.objective=simplex", "model.attention=bidirectional", "model.label_shift=true",
                 "simplex.masking=ul2", "simplex.timesteps=100", "eval.inference_steps=2"],
     "reward": ["train.objective=reward", "data.preference_pairs=true"],

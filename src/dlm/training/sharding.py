@@ -62,6 +62,10 @@ def accelerator(mixed_precision: str, grad_accum: int = 1) -> Accelerator:
 
             PartialState(backend="gloo")
         return Accelerator(cpu=False, mixed_precision=mixed_precision, gradient_accumulation_steps=grad_accum)
+    if fsdp_requested():
+        # dlm builds the (replicate, shard) mesh itself from PARALLELISM_CONFIG_DP_*; accelerate's own
+        # ParallelismConfig is for its `prepare`, which dlm does not use under FSDP2 (and it refuses CPU processes)
+        os.environ.pop("ACCELERATE_USE_PARALLELISM_CONFIG", None)
     return Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=mixed_precision)
 
 
