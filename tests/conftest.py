@@ -46,6 +46,22 @@ def perturb(m, seed: int = 1):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.5)
     return m
 
+class LogitRecorder(torch.nn.Module):
+    """Wraps a backbone and keeps each forward's logits, so samplers' equivalence tests compare numbers, not only the
+    tokens picked from them. Use it on a `perturb`-ed model: an untrained nano model's outputs barely depend on
+    position (an off-by-one position id moves its logits by ~4e-4), a perturbed one's by several units."""
+
+    def __init__(self, backbone):
+        super().__init__()
+        self.inner = backbone
+        self.logits: list[torch.Tensor] = []
+
+    def forward(self, *args, **kwargs):
+        out = self.inner(*args, **kwargs)
+        self.logits.append(out.logits.detach().float().clone())
+        return out
+
+
 @pytest.fixture
 def one_thread():
     """Tiny models are latency-bound: one torch thread is faster, and much faster when the 2 cores are shared."""
