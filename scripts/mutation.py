@@ -1,0 +1,216 @@
+"""Mutation check of the core (issue 18): run mutmut once per module against the tests that cover it, and write the
+score and every surviving mutant to docs/results/mutation.md.
+
+    python scripts/mutation.py                      # every module in MODULES
+    python scripts/mutation.py training/ema.py data/ul2.py
+    python scripts/mutation.py --list               # the module -> tests map
+
+Each module runs in its own scratch copy of the working tree (tracked and untracked, not ignored, files) under
+--workdir, with `[tool.mutmut]` of pyproject.toml plus `only_mutate` and the module's test selection, so runs never
+touch the checkout and a module's survivors are judged by the tests meant to catch them. mutmut skips decorated
+functions; in the scratch copy `@torch.no_grad()` and `@contextmanager` are rewritten as an assignment after the
+function (`f = torch.no_grad()(f)`), which behaves the same and lets the samplers' loops and `EMA.update` be mutated.
+
+Survivors are explained in EXPLAINED below (mutant name -> one line: why it is equivalent, or which test kills it
+now); the doc lists any survivor without an entry as unexplained. Not part of .ci/run: a full run takes ~30 min on
+2 cores. Set OMP_NUM_THREADS=1 and DLM_TEST_THREADS=1 on a shared machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import datetime
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(os.environ.get("DLM_MUTATION_ROOT", Path(__file__).resolve().parents[1]))  # another checkout: "before"
+
+# module (under src/dlm) -> the tests that cover it (pytest node ids or files); slow-marked tests are deselected
+MODULES: dict[str, list[str]] = {
+    "training/ema.py": ["tests/test_ema.py", "tests/test_training.py::test_ema_and_final_model"],
+    "data/ul2.py": ["tests/test_ul2.py", "tests/test_paper_constants.py"],
+    "data/canvas.py": ["tests/test_data.py", "tests/test_masking.py"],
+    "modeling/carry.py": ["tests/test_build.py", "tests/test_progressive.py", "tests/test_block_decoding.py"],
+    "modeling/blocks.py": ["tests/test_blocks.py", "tests/test_block_training.py", "tests/test_block_decoding.py"],
+    "diffusion/masking.py": ["tests/test_masking.py", "tests/test_paper_constants.py"],
+    "diffusion/policies.py": ["tests/test_policies.py"],
+    "diffusion/simplex.py": ["tests/test_simplex.py", "tests/test_paper_constants.py"],
+    "diffusion/progressive.py": ["tests/test_progressive.py", "tests/test_pu_rules.py",
+                                 "tests/test_paper_constants.py"],
+    "training/trajectories.py": ["tests/test_progressive.py", "tests/test_block_training.py"],
+    "sampling/autoregressive.py": ["tests/test_ar_sampler.py"],
+    "sampling/masked.py": ["tests/test_masked_sampler.py", "tests/test_block_decoding.py"],
+    "sampling/block_cache.py": ["tests/test_block_decoding.py"],
+    "sampling/steps.py": ["tests/test_block_decoding.py", "tests/test_masked_sampler.py"],
+    "sampling/simplex.py": ["tests/test_simplex.py", "tests/test_guidance.py"],
+    "sampling/guidance.py": ["tests/test_guidance.py"],
+}
+
+# mutmut's mutant name -> why it survives (equivalent), or the test that kills it after this issue's changes
+EXPLAINED: dict[str, str] = {}
+
+DECORATORS = {"torch.no_grad()", "contextmanager"}
+
+
+def undecorate(source: str) -> str:
+    """`@torch.no_grad()` / `@contextmanager` on a function become `name = deco(name)` after it (same behaviour),
+    since mutmut leaves decorated functions unmutated."""
+    tree = ast.parse(source)
+    edits = []  # (decorator line numbers, end line, indent, name, decorators)
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.decorator_list:
+            decos = [ast.unparse(d) for d in node.decorator_list]
+            if all(d in DECORATORS for d in decos):
+                indent = " " * node.col_offset
+                edits.append(([d.lineno for d in node.decorator_list], node.end_lineno, indent, node.name, decos))
+    lines = source.splitlines()
+    for deco_lines, end, indent, name, decos in sorted(edits, key=lambda e: -e[1]):
+        wrapped = name
+        for d in reversed(decos):
+            wrapped = f"{d}({wrapped})"
+        lines.insert(end, f"{indent}{name} = {wrapped}")
+        for ln in sorted(deco_lines, reverse=True):
+            del lines[ln - 1]
+    return "\n".join(lines) + "\n"
+
+
+def scratch_copy(module: str, tests: list[str], workdir: Path) -> Path:
+    dest = workdir / module.replace("/", "_").removesuffix(".py")
+    if dest.exists():
+        shutil.rmtree(dest)
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, check=True,
+                           capture_output=True, text=True).stdout.split("\n")
+    for f in files:
+        if f and (ROOT / f).is_file() and not f.startswith(("docs/", "benchmarks/")):
+            (dest / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / f, dest / f)
+    target = dest / "src" / "dlm" / module
+    target.write_text(undecorate(target.read_text()))
+    pyproject = dest / "pyproject.toml"
+    text = pyproject.read_text()
+    extra = (f'only_mutate = ["src/dlm/{module}"]\n'
+             f"pytest_add_cli_args_test_selection = {json.dumps(tests + ['-m', 'not slow'])}\n")
+    pyproject.write_text(text.replace("[tool.mutmut]\n", "[tool.mutmut]\n" + extra, 1))
+    return dest
+
+
+def run_module(module: str, tests: list[str], workdir: Path, timeout: int) -> dict:
+    tests = [t for t in tests if (ROOT / t.split("::")[0]).exists()]  # an older checkout may lack a newer test file
+    dest = scratch_copy(module, tests, workdir)
+    env = dict(os.environ, PYTHONPATH="src", HF_HUB_OFFLINE="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+               DLM_TEST_THREADS=os.environ.get("DLM_TEST_THREADS", "1"))
+    start = time.time()
+    proc = subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", "1"], cwd=dest, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    seconds = time.time() - start
+    meta = dest / "mutants" / "src" / "dlm" / (module + ".meta")
+    if not meta.exists():
+        tail = (proc.stdout + proc.stderr)[-3000:]
+        return {"module": module, "tests": tests, "error": f"mutmut exited {proc.returncode}: {tail}",
+                "seconds": seconds}
+    codes = json.loads(meta.read_text())["exit_code_by_key"]
+    from mutmut.stats import status_by_exit_code
+
+    status = {name: status_by_exit_code[code] for name, code in codes.items()}
+    survivors = sorted(n for n, s in status.items() if s in ("survived", "no tests"))
+    diffs = {n: _diff(dest, n, env) for n in survivors}
+    counts = {k: sum(1 for s in status.values() if s == k) for k in sorted(set(status.values()))}
+    return {"module": module, "tests": tests, "counts": counts, "total": len(status), "survivors": diffs,
+            "seconds": seconds}
+
+
+def _diff(dest: Path, name: str, env: dict) -> str:
+    out = subprocess.run([sys.executable, "-m", "mutmut", "show", name], cwd=dest, env=env, capture_output=True,
+                         text=True).stdout
+    return "\n".join(line for line in out.splitlines() if line.startswith(("+", "-")) and
+                     not line.startswith(("+++", "---")))
+
+
+def short(name: str) -> str:
+    return name.replace("\u01c1", ".").replace("dlm.", "", 1)
+
+
+def write_report(results: list[dict], path: Path, command: str, not_run: list[str]) -> None:
+    lines = ["# Mutation check of the core", "",
+             "What it is: [mutmut](https://github.com/boxed/mutmut) plants small bugs (mutants) in a module, one at "
+             "a time, and runs the tests that cover that module; a mutant the tests still pass *survived*. "
+             "Each survivor is either killed by a stronger test or explained as equivalent (no behaviour "
+             "change) below. See issue 18 and `scripts/mutation.py`.", "",
+             f"- Command: `{command}`",
+             f"- Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+             f"- Machine: {platform.machine()}, {os.cpu_count()} CPU cores (shared), Python "
+             f"{platform.python_version()}, mutmut {_mutmut_version()}, OMP_NUM_THREADS=1, one mutant at a time",
+             "", "| module | tests | mutants | killed | survived | timeout | other | score | minutes |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['module']} | {', '.join(r['tests'])} | error | | | | | | {r['seconds'] / 60:.1f} |")
+            continue
+        c = r["counts"]
+        killed, survived, timeout = c.get("killed", 0), c.get("survived", 0) + c.get("no tests", 0), c.get("timeout", 0)
+        other = r["total"] - killed - survived - timeout
+        score = (killed + timeout) / max(1, r["total"] - other)
+        tests = ", ".join(t.removeprefix("tests/") for t in r["tests"])
+        lines.append(f"| {r['module']} | {tests} | {r['total']} | {killed} | {survived} | {timeout} | {other} | "
+                     f"{score:.0%} | {r['seconds'] / 60:.1f} |")
+    if not_run:
+        lines += ["", "Not run this time: " + ", ".join(not_run) + "."]
+    lines += ["", "## Survivors", ""]
+    for r in results:
+        if "error" in r:
+            lines += [f"### {r['module']}", "", "```", r["error"], "```", ""]
+            continue
+        if not r["survivors"]:
+            continue
+        lines += [f"### {r['module']}", ""]
+        for name, diff in r["survivors"].items():
+            why = EXPLAINED.get(short(name), "**unexplained**")
+            lines += [f"- `{short(name)}`: {why}", "  ```diff", *("  " + d for d in diff.splitlines()), "  ```"]
+        lines.append("")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def _mutmut_version() -> str:
+    from importlib.metadata import version
+
+    return version("mutmut")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("modules", nargs="*", help="modules under src/dlm (default: all in MODULES)")
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/dlm-mutation"))
+    ap.add_argument("--json", type=Path, default=ROOT / "docs/results/mutation.json")
+    ap.add_argument("--out", type=Path, default=ROOT / "docs/results/mutation.md")
+    ap.add_argument("--timeout", type=int, default=3600, help="seconds per module")
+    ap.add_argument("--list", action="store_true")
+    args = ap.parse_args(argv)
+    if args.list:
+        for m, t in MODULES.items():
+            print(f"{m}: {' '.join(t)}")
+        return
+    modules = args.modules or list(MODULES)
+    unknown = [m for m in modules if m not in MODULES]
+    if unknown:
+        raise SystemExit(f"unknown module(s) {unknown}; choose from {list(MODULES)}")
+    previous = {r["module"]: r for r in json.loads(args.json.read_text())} if args.json.exists() else {}
+    for m in modules:
+        print(f"mutating {m} against {' '.join(MODULES[m])}", flush=True)
+        previous[m] = run_module(m, MODULES[m], args.workdir, args.timeout)
+        r = previous[m]
+        print(f"  {r.get('counts', r.get('error'))} in {r['seconds']:.0f}s", flush=True)
+        args.json.write_text(json.dumps([previous[k] for k in MODULES if k in previous], indent=1) + "\n")
+    results = [previous[k] for k in MODULES if k in previous]
+    command = "OMP_NUM_THREADS=1 DLM_TEST_THREADS=1 nice -n 10 python scripts/mutation.py " + " ".join(args.modules)
+    write_report(results, args.out, command.strip(), [m for m in MODULES if m not in previous])
+
+
+if __name__ == "__main__":
+    main()
