@@ -61,6 +61,9 @@ def test_shadow_is_an_fp32_copy_not_the_live_weight():
     with torch.no_grad():
         m.mid.weight.add_(1.0)
     assert torch.equal(ema.shadow["mid.weight"], before)  # editing the model in place leaves the shadow alone
+    w = ema.weights_for(m)
+    assert w["mid.weight"].dtype == torch.bfloat16  # loadable into the model as it is
+    assert torch.equal(w["mid.weight"], before.to(torch.bfloat16))
 
 
 def test_applied_swaps_in_the_average_and_restores():
