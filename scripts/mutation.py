@@ -101,7 +101,9 @@ def scratch_copy(module: str, tests: list[str], workdir: Path) -> Path:
     return dest
 
 
-def run_module(module: str, tests: list[str], workdir: Path, timeout: int) -> dict:
+def run_module(module: str, tests: list[str], workdir: Path, timeout: int, watch: dict | None = None) -> dict:
+    """mutmut over one module; `watch` (mutant -> diff, the survivors of an earlier run) get the test that kills
+    them now, if one does."""
     tests = [t for t in tests if (ROOT / t.split("::")[0]).exists()]  # an older checkout may lack a newer test file
     dest = scratch_copy(module, tests, workdir)
     env = dict(os.environ, PYTHONPATH="src", HF_HUB_OFFLINE="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
@@ -122,8 +124,21 @@ def run_module(module: str, tests: list[str], workdir: Path, timeout: int) -> di
     survivors = sorted(n for n, s in status.items() if s in ("survived", "no tests"))
     diffs = {n: _diff(dest, n, env) for n in survivors}
     counts = {k: sum(1 for s in status.values() if s == k) for k in sorted(set(status.values()))}
+    killers = {n: _killer(dest, n, tests, env) for n in (watch or {}) if status.get(n) in ("killed", "timeout")}
     return {"module": module, "tests": tests, "counts": counts, "total": len(status), "survivors": diffs,
-            "seconds": seconds}
+            "status": status, "killers": killers, "seconds": seconds}
+
+
+def _killer(dest: Path, name: str, tests: list[str], env: dict) -> str:
+    """The first test that fails with mutant `name` switched on (mutmut's trampolines read MUTANT_UNDER_TEST)."""
+    try:
+        out = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-rf", "-p", "no:cacheprovider", "-m",
+                              "not slow", *tests], cwd=dest / "mutants", env=dict(env, MUTANT_UNDER_TEST=name),
+                             capture_output=True, text=True, timeout=600).stdout
+    except subprocess.TimeoutExpired:
+        return "a timeout (the mutant loops)"
+    failed = [line.split()[1] for line in out.splitlines() if line.startswith(("FAILED ", "ERROR "))]
+    return f"`{failed[0]}`" if failed else "a crash or timeout under mutmut"
 
 
 def _diff(dest: Path, name: str, env: dict) -> str:
@@ -137,41 +152,70 @@ def short(name: str) -> str:
     return name.replace("\u01c1", ".").replace("dlm.", "", 1)
 
 
-def write_report(results: list[dict], path: Path, command: str, not_run: list[str]) -> None:
+def _score(r: dict) -> tuple[str, int, int, int, int]:
+    """(score, killed, survived, timeout, other); the score is (killed + timeout) / (killed + survived + timeout)."""
+    c = r["counts"]
+    killed, survived, timeout = c.get("killed", 0), c.get("survived", 0) + c.get("no tests", 0), c.get("timeout", 0)
+    other = r["total"] - killed - survived - timeout
+    return f"{(killed + timeout) / max(1, killed + survived + timeout):.0%}", killed, survived, timeout, other
+
+
+def write_report(results: list[dict], before: dict[str, dict], path: Path, command: str,
+                 not_run: list[str]) -> None:
     lines = ["# Mutation check of the core", "",
-             "What it is: [mutmut](https://github.com/boxed/mutmut) plants small bugs (mutants) in a module, one at "
-             "a time, and runs the tests that cover that module; a mutant the tests still pass *survived*. "
-             "Each survivor is either killed by a stronger test or explained as equivalent (no behaviour "
-             "change) below. See issue 18 and `scripts/mutation.py`.", "",
-             f"- Command: `{command}`",
+             "[mutmut](https://github.com/boxed/mutmut) plants small bugs (mutants) in a module, one at a time, and "
+             "runs the tests that cover that module; a mutant the tests still pass *survived*. Each survivor of the "
+             "first run (before issue 18's tests) is listed below with the test that kills it now, or why it is "
+             "equivalent (no behaviour a caller can see changes). Produced by `scripts/mutation.py`; not part of "
+             "`.ci/run`.", "",
+             f"- Command: `{command}` (before: the same script with `DLM_MUTATION_ROOT` at an export of the commit "
+             "before this work, so the module -> tests map is the same but the older tests run)",
              f"- Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
-             f"- Machine: {platform.machine()}, {os.cpu_count()} CPU cores (shared), Python "
+             f"- Machine: {platform.machine()}, {os.cpu_count()} CPU cores shared with another session's tests, Python "
              f"{platform.python_version()}, mutmut {_mutmut_version()}, OMP_NUM_THREADS=1, one mutant at a time",
-             "", "| module | tests | mutants | killed | survived | timeout | other | score | minutes |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "- Score = (killed + timeout) / (killed + survived + timeout); survived includes mutants no selected "
+             "test reaches (mutmut's 'no tests'). Decorated functions (`@torch.no_grad()`, `@contextmanager`) are "
+             "mutated too: the script rewrites the decorator as an assignment in its scratch copy.", "",
+             "| module | tests | mutants | before: killed / survived / timeout | before | after: killed / survived "
+             "/ timeout | after | equivalent | after, non-equivalent | minutes |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        if "error" in r:
-            lines.append(f"| {r['module']} | {', '.join(r['tests'])} | error | | | | | | {r['seconds'] / 60:.1f} |")
-            continue
-        c = r["counts"]
-        killed, survived, timeout = c.get("killed", 0), c.get("survived", 0) + c.get("no tests", 0), c.get("timeout", 0)
-        other = r["total"] - killed - survived - timeout
-        score = (killed + timeout) / max(1, r["total"] - other)
         tests = ", ".join(t.removeprefix("tests/") for t in r["tests"])
-        lines.append(f"| {r['module']} | {tests} | {r['total']} | {killed} | {survived} | {timeout} | {other} | "
-                     f"{score:.0%} | {r['seconds'] / 60:.1f} |")
+        if "error" in r:
+            lines.append(f"| {r['module']} | {tests} | error | | | | | | | {r['seconds'] / 60:.1f} |")
+            continue
+        score, k, sv, to, _ = _score(r)
+        b = before.get(r["module"])
+        if b and "error" not in b:
+            bscore, bk, bsv, bto, _ = _score(b)
+            bcol = f"{bk} / {bsv} / {bto} | {bscore}"
+        else:
+            bcol = "not run | "
+        equivalent = sum(1 for n in r["survivors"] if short(n) in EXPLAINED)
+        live = k + to + sv - equivalent
+        after_ne = f"{(k + to) / max(1, live):.0%}"
+        lines.append(f"| {r['module']} | {tests} | {r['total']} | {bcol} | {k} / {sv} / {to} | {score} | "
+                     f"{equivalent} | {after_ne} | {r['seconds'] / 60:.1f} |")
     if not_run:
-        lines += ["", "Not run this time: " + ", ".join(not_run) + "."]
-    lines += ["", "## Survivors", ""]
+        lines += ["", "Not run: " + ", ".join(not_run) + " (time; each is mapped in `MODULES` and runs with "
+                  "`python scripts/mutation.py MODULE`)."]
+    lines += ["", "## Survivors", "",
+              "Every mutant that survived the first run (or survives now), with its fate.", ""]
     for r in results:
         if "error" in r:
             lines += [f"### {r['module']}", "", "```", r["error"], "```", ""]
             continue
-        if not r["survivors"]:
+        b = before.get(r["module"], {})
+        names = sorted(set(b.get("survivors", {})) | set(r["survivors"]))
+        if not names:
             continue
         lines += [f"### {r['module']}", ""]
-        for name, diff in r["survivors"].items():
-            why = EXPLAINED.get(short(name), "**unexplained**")
+        for name in names:
+            diff = r["survivors"].get(name) or b.get("survivors", {}).get(name, "")
+            if name in r["survivors"]:
+                why = "equivalent: " + EXPLAINED[short(name)] if short(name) in EXPLAINED else "**survives**"
+            else:
+                why = f"killed after by {r.get('killers', {}).get(name, 'the module tests')}"
             lines += [f"- `{short(name)}`: {why}", "  ```diff", *("  " + d for d in diff.splitlines()), "  ```"]
         lines.append("")
     path.write_text("\n".join(lines) + "\n")
@@ -190,6 +234,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json", type=Path, default=ROOT / "docs/results/mutation.json")
     ap.add_argument("--out", type=Path, default=ROOT / "docs/results/mutation.md")
     ap.add_argument("--timeout", type=int, default=3600, help="seconds per module")
+    ap.add_argument("--before", type=Path, help="JSON of an earlier run (e.g. on the commit before new tests): "
+                    "its survivors get the test that kills them now, and its scores go in the table")
+    ap.add_argument("--report-only", action="store_true", help="rewrite the report from --json without running")
     ap.add_argument("--list", action="store_true")
     args = ap.parse_args(argv)
     if args.list:
@@ -201,15 +248,17 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         raise SystemExit(f"unknown module(s) {unknown}; choose from {list(MODULES)}")
     previous = {r["module"]: r for r in json.loads(args.json.read_text())} if args.json.exists() else {}
-    for m in modules:
+    before = {r["module"]: r for r in json.loads(args.before.read_text())} if args.before else {}
+    for m in modules if not args.report_only else []:
         print(f"mutating {m} against {' '.join(MODULES[m])}", flush=True)
-        previous[m] = run_module(m, MODULES[m], args.workdir, args.timeout)
+        previous[m] = run_module(m, MODULES[m], args.workdir, args.timeout, before.get(m, {}).get("survivors"))
         r = previous[m]
         print(f"  {r.get('counts', r.get('error'))} in {r['seconds']:.0f}s", flush=True)
         args.json.write_text(json.dumps([previous[k] for k in MODULES if k in previous], indent=1) + "\n")
     results = [previous[k] for k in MODULES if k in previous]
-    command = "OMP_NUM_THREADS=1 DLM_TEST_THREADS=1 nice -n 10 python scripts/mutation.py " + " ".join(args.modules)
-    write_report(results, args.out, command.strip(), [m for m in MODULES if m not in previous])
+    command = "OMP_NUM_THREADS=1 DLM_TEST_THREADS=1 nice -n 10 python scripts/mutation.py " + " ".join(
+        argv if argv is not None else sys.argv[1:])
+    write_report(results, before, args.out, command.strip(), [m for m in MODULES if m not in previous])
 
 
 if __name__ == "__main__":
