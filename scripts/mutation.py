@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import ast
 import datetime
+import difflib
 import json
 import os
 import platform
@@ -122,7 +123,7 @@ def run_module(module: str, tests: list[str], workdir: Path, timeout: int, watch
 
     status = {name: status_by_exit_code[code] for name, code in codes.items()}
     survivors = sorted(n for n, s in status.items() if s in ("survived", "no tests"))
-    diffs = {n: _diff(dest, n, env) for n in survivors}
+    diffs = {n: _diff(dest, module, n) for n in survivors}
     counts = {k: sum(1 for s in status.values() if s == k) for k in sorted(set(status.values()))}
     killers = {n: _killer(dest, n, tests, env) for n in (watch or {}) if status.get(n) in ("killed", "timeout")}
     return {"module": module, "tests": tests, "counts": counts, "total": len(status), "survivors": diffs,
@@ -141,11 +142,19 @@ def _killer(dest: Path, name: str, tests: list[str], env: dict) -> str:
     return f"`{failed[0]}`" if failed else "a crash or timeout under mutmut"
 
 
-def _diff(dest: Path, name: str, env: dict) -> str:
-    out = subprocess.run([sys.executable, "-m", "mutmut", "show", name], cwd=dest, env=env, capture_output=True,
-                         text=True).stdout
-    return "\n".join(line for line in out.splitlines() if line.startswith(("+", "-")) and
-                     not line.startswith(("+++", "---")))
+def _diff(dest: Path, module: str, name: str) -> str:
+    """The changed lines of mutant `name`: its function against the original in mutmut's mutated copy of the file
+    (what `mutmut show` prints, without a subprocess per mutant)."""
+    source = (dest / "mutants" / "src" / "dlm" / module).read_text()
+    funcs = {n.name: n for n in ast.walk(ast.parse(source)) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    fn = name.rsplit(".", 1)[-1]
+    orig, mutant = funcs.get(fn.rsplit("__mutmut_", 1)[0] + "__mutmut_orig"), funcs.get(fn)
+    if orig is None or mutant is None:
+        return "(source not found)"
+    a = ast.get_source_segment(source, orig).splitlines()[1:]
+    b = ast.get_source_segment(source, mutant).splitlines()[1:]
+    return "\n".join(line for line in difflib.unified_diff(a, b, lineterm="", n=0)
+                     if line.startswith(("+", "-")) and not line.startswith(("+++", "---")))
 
 
 def short(name: str) -> str:
