@@ -37,7 +37,7 @@ ROOT = Path(os.environ.get("DLM_MUTATION_ROOT", Path(__file__).resolve().parents
 MODULES: dict[str, list[str]] = {
     "training/ema.py": ["tests/test_ema.py", "tests/test_training.py::test_ema_and_final_model"],
     "data/ul2.py": ["tests/test_ul2.py", "tests/test_paper_constants.py"],
-    "data/canvas.py": ["tests/test_data.py", "tests/test_masking.py"],
+    "data/canvas.py": ["tests/test_canvas.py", "tests/test_data.py", "tests/test_masking.py"],
     "modeling/carry.py": ["tests/test_build.py", "tests/test_progressive.py", "tests/test_block_decoding.py"],
     "modeling/blocks.py": ["tests/test_blocks.py", "tests/test_block_training.py", "tests/test_block_decoding.py"],
     "diffusion/masking.py": ["tests/test_masking.py", "tests/test_paper_constants.py"],
@@ -55,7 +55,18 @@ MODULES: dict[str, list[str]] = {
 }
 
 # mutmut's mutant name -> why it survives (equivalent), or the test that kills it after this changes
-EXPLAINED: dict[str, str] = {}
+_INT_DTYPE = "dtype=torch.long dropped where torch infers int64 from Python ints anyway: the same tensor"
+EXPLAINED: dict[str, str] = {
+    "training.ema.x__trainable__mutmut_1": "named_parameters(remove_duplicate=None): None is falsy, as False",
+    "data.ul2.x_ul2_mask__mutmut_20": "valid.sum(+1) on the 2-D [B, L] mask sums over dim 1, the same as dim -1",
+    "data.ul2.x_ul2_mask__mutmut_62": "out.to(None) leaves the mask on the CPU: the same on this CPU-only machine "
+                                      "(on a GPU the caller's device check would fail; not testable here)",
+    **{f"data.canvas.x_collate__mutmut_{i}": _INT_DTYPE for i in (27, 30, 54, 56, 60, 62)},
+    **{f"data.canvas.x_left_pad__mutmut_{i}": _INT_DTYPE for i in (6, 9, 21, 23)},
+    **{f"data.canvas.x_pack_documents__mutmut_{i}": _INT_DTYPE for i in (14, 16)},
+    "data.canvas.x_collate__mutmut_22": "max(max(lengths), pad_to or 1): every length is >= 1 (the EOS), so the "
+                                        "floor of 1 never binds",
+}
 
 DECORATORS = {"torch.no_grad()", "contextmanager"}
 
