@@ -43,6 +43,25 @@ def test_carry_norm_for_follows_the_backbone():
     assert norm.weight.dtype == torch.bfloat16 and not norm.weight.any() and not norm.bias.any()
 
 
+def test_carry_norm_for_a_backbone_without_rms_norm_eps_on_its_device():
+    """A config without `rms_norm_eps` gets the default 1e-5; the norm lives where the embeddings live."""
+    from types import SimpleNamespace
+
+    class Backbone(nn.Module):
+        config = SimpleNamespace(hidden_size=5)
+
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(7, 5, device="meta", dtype=torch.float16)
+
+        def get_input_embeddings(self):
+            return self.embed
+
+    norm = carry_norm_for(Backbone())
+    assert norm.eps == 1e-5 and norm.weight.device.type == "meta" and norm.weight.dtype == torch.float16
+    assert new_carry_norm(3, device="meta").bias.device.type == "meta"
+
+
 def test_all_positions_without_label_shift():
     norm = _norm()
     h = torch.randn(2, 5, 4, generator=torch.Generator().manual_seed(1))
