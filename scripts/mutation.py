@@ -65,6 +65,9 @@ EXPLAINED: dict[str, str] = {
     **{f"data.canvas.x_collate__mutmut_{i}": _INT_DTYPE for i in (27, 30, 54, 56, 60, 62)},
     **{f"data.canvas.x_left_pad__mutmut_{i}": _INT_DTYPE for i in (6, 9, 21, 23)},
     **{f"data.canvas.x_pack_documents__mutmut_{i}": _INT_DTYPE for i in (14, 16)},
+    **{f"data.canvas.x__collate_blocks__mutmut_{i}": _INT_DTYPE for i in (23, 26, 54, 56, 60, 62)},
+    "data.canvas.x__collate_blocks__mutmut_18": "max(..., pad_to or 1): every row spans at least one block, so the "
+                                                "floor of 1 never binds",
     **{f"modeling.carry.x_carry_input__mutmut_{i}": "positions default 'all' misspelt: only 'masked' is tested "
        "for, so any other default behaves as 'all'" for i in (1, 2)},
     **{f"modeling.carry.x_carry_input__mutmut_{i}": "an int/bool mask not cast before multiplying a float tensor: "

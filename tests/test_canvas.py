@@ -79,6 +79,7 @@ def test_collate_packed_and_pairs():
         pack_documents([[5, 6]], 4, EOS)
     b = collate_packed(list(rows))
     assert torch.equal(b["input_ids"], rows) and b["attention_mask"].dtype == torch.long
+    assert b["maskable"].shape == b["loss_mask"].shape == (2, 3)
     assert b["maskable"].all() and b["loss_mask"].all() and b["maskable"].dtype == torch.bool
     assert b["loss_mask"] is not b["maskable"] and b["attention_mask"].tolist() == [[1] * 3] * 2
     assert b["prompt_len"].tolist() == [0, 0] and b["prompt_len"].dtype == torch.long
