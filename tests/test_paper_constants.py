@@ -120,6 +120,16 @@ def test_mdm_weight_cap_and_z_loss_defaults_everywhere():
     assert _defaults(masking.loss_weight, "weight_cap") == (5,), "PUMBA App. B.4: gamma = 5"
 
 
+def test_mdm_loss_defaults_in_use():
+    """Called without them, mdm_loss weighs by min(1/t, 5) and adds 1e-5 · lse² (not just declared defaults)."""
+    logits = torch.tensor([[[3.0, 1.0, 0.5]]])
+    args = (logits, torch.tensor([[1]]), torch.tensor([[True]]), torch.tensor([[True]]), torch.tensor([0.1]))
+    lse = torch.logsumexp(logits[0, 0], -1).item()
+    expected = 5 * (lse - 1.0) + 1e-5 * lse**2
+    assert masking.mdm_loss(*args)[0].item() == pytest.approx(expected, rel=2e-6), \
+        "PUMBA App. B.4 / Table 5: min(1/t, 5) and z-loss 1e-5"
+
+
 def test_mdm_weight_is_min_of_inverse_t_and_5():
     t = torch.tensor([0.1, 0.2, 0.25, 0.5, 1.0])
     assert masking.loss_weight(t).tolist() == pytest.approx([5.0, 5.0, 4.0, 2.0, 1.0]), \
