@@ -77,3 +77,30 @@ def test_stops_at_eos_and_counts_nfe():
         assert toks == full[:cut]
         assert nfe == (cut + 1 if eos in full else 10)
     assert out.nfe[0] <= 5
+
+
+def test_default_uses_the_cache_and_stops_when_every_row_is_done():
+    """The default decodes one new position per step from the cache, and the loop ends with the last row's EOS:
+    forward passes = the largest NFE."""
+    m = perturb(tiny_model(50))
+    free = generate(m, _prompts()[:2], 8, eos_id=999, pad_id=0)
+    eos = free.tokens[0][2]
+    cut = free.tokens[0].index(eos)
+    rec = LogitRecorder(m.backbone)
+    out = generate(rec, [_prompts()[0]], 8, eos_id=eos, pad_id=0)
+    assert out.nfe == [cut + 1] and out.tokens == [free.tokens[0][:cut]]
+    assert [lg.shape[1] for lg in rec.logits] == [5] + [1] * cut  # one pass per NFE, then the loop ends
+
+
+def test_pick_tokens_temperature():
+    """argmax at 0; otherwise a draw from softmax(logits / T) per row."""
+    from dlm.sampling.autoregressive import pick_tokens
+
+    logits = torch.tensor([[0.0, 1.0, 2.0], [2.0, 0.0, 0.0]])
+    assert pick_tokens(logits, 0.0, None).tolist() == [2, 0]
+    g = torch.Generator().manual_seed(0)
+    for T in (0.5, 2.0):
+        draws = torch.stack([pick_tokens(logits, T, g) for _ in range(4000)])
+        for row in range(2):
+            freq = torch.bincount(draws[:, row], minlength=3).float() / 4000
+            assert torch.allclose(freq, torch.softmax(logits[row] / T, -1), atol=0.03), (T, row)
