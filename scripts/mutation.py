@@ -93,6 +93,24 @@ EXPLAINED: dict[str, str] = {
     **{f"diffusion.policies.x_threshold__mutmut_{i}": "the fallback needs the row to have a masked position; "
        "`|`, or `any` over every dim or over the batch, changes nothing because the fallback is AND-ed with the "
        "row's own top-1 masked position, which is above tau whenever any is" for i in (5, 6, 8, 11)},
+    **{f"diffusion.simplex.x_cosine_alpha_bar__mutmut_{i}": "a clamp of f/f0 to [0, 1] dropped or widened: cos² "
+       "is >= 0 and decreasing on [0, 1), so f/f0 is already in [0, 1]" for i in (32, 33, 34, 35, 38)},
+    **{f"diffusion.simplex.x_cosine_alpha_bar__mutmut_{i}": "float32 instead of float64 for u = t/T: the output "
+       "is float32 and agrees to its precision" for i in (8, 10)},
+    "diffusion.simplex.x_noise_simplex__mutmut_5": "alpha_bar not cast to s0's dtype: type promotion gives the "
+                                                    "same values",
+    **{f"diffusion.simplex.x_to_simplex__mutmut_{i}": "dtype=torch.float32 dropped: a float fill gives float32 "
+       "anyway" for i in (4, 8)},
+    **{f"diffusion.simplex.x_to_simplex__mutmut_{i}": _DEVICE for i in (5, 9)},
+    **{f"diffusion.simplex.x_top_p_sample__mutmut_{i}": "the weights handed to multinomial are rescaled per row "
+       "(or by a global constant): multinomial normalises them, same distribution" for i in (42, 43, 47)},
+    "diffusion.simplex.x_top_p_sample__mutmut_21": "`<=` vs `<` at the nucleus edge: differs only when the "
+                                                   "cumulative probability equals top_p exactly in float",
+    **{f"sampling.autoregressive.x_pick_tokens__mutmut_{i}": _DIM for i in (12, 22)},
+    "sampling.autoregressive.x_pick_tokens__mutmut_4": _DIM,
+    **{f"sampling.autoregressive.x_generate__mutmut_{i}": _DEVICE
+       for i in (12, 15, 25, 28, 32, 35, 40, 44, 124, 128)},
+    **{f"sampling.autoregressive.x_generate__mutmut_{i}": _INT_DTYPE for i in (39, 43)},
     "data.canvas.x_collate__mutmut_22": "max(max(lengths), pad_to or 1): every length is >= 1 (the EOS), so the "
                                         "floor of 1 never binds",
 }
