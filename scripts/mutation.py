@@ -116,6 +116,7 @@ EXPLAINED: dict[str, str] = {
 }
 
 DECORATORS = {"torch.no_grad()", "contextmanager"}
+KILLERS = False
 
 NOTES = """Notes on reading the table:
 
@@ -197,7 +198,8 @@ def run_module(module: str, tests: list[str], workdir: Path, timeout: int, watch
     survivors = sorted(n for n, s in status.items() if s in ("survived", "no tests"))
     diffs = {n: _diff(dest, module, n) for n in survivors}
     counts = {k: sum(1 for s in status.values() if s == k) for k in sorted(set(status.values()))}
-    killers = {n: _killer(dest, n, tests, env) for n in (watch or {}) if status.get(n) in ("killed", "timeout")}
+    killers = {n: _killer(dest, n, tests, env) for n in (watch or {}) if status.get(n) in ("killed", "timeout")} \
+        if KILLERS else {}
     return {"module": module, "tests": tests, "counts": counts, "total": len(status), "survivors": diffs,
             "status": status, "killers": killers, "seconds": seconds}
 
@@ -298,7 +300,7 @@ def write_report(results: list[dict], before: dict[str, dict], path: Path, comma
             if name in r["survivors"]:
                 why = "equivalent: " + EXPLAINED[short(name)] if short(name) in EXPLAINED else "**survives**"
             else:
-                why = f"killed after by {r.get('killers', {}).get(name, 'the module tests')}"
+                why = "killed after" + (f" by {r['killers'][name]}" if name in r.get("killers", {}) else "")
             lines += [f"- `{short(name)}`: {why}", "  ```diff", *("  " + d for d in diff.splitlines()), "  ```"]
         lines.append("")
     path.write_text("\n".join(lines) + "\n")
@@ -319,6 +321,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--timeout", type=int, default=3600, help="seconds per module")
     ap.add_argument("--before", type=Path, help="JSON of an earlier run (e.g. on the commit before new tests): "
                     "its survivors get the test that kills them now, and its scores go in the table")
+    ap.add_argument("--killers", action="store_true", help="name the test that kills each earlier survivor (one "
+                    "pytest run per survivor: minutes per module)")
     ap.add_argument("--report-only", action="store_true", help="rewrite the report from --json without running")
     ap.add_argument("--list", action="store_true")
     args = ap.parse_args(argv)
@@ -330,6 +334,8 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [m for m in modules if m not in MODULES]
     if unknown:
         raise SystemExit(f"unknown module(s) {unknown}; choose from {list(MODULES)}")
+    global KILLERS
+    KILLERS = args.killers
     previous = {r["module"]: r for r in json.loads(args.json.read_text())} if args.json.exists() else {}
     before = {r["module"]: r for r in json.loads(args.before.read_text())} if args.before else {}
     for m in modules if not args.report_only else []:
