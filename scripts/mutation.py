@@ -111,6 +111,16 @@ EXPLAINED: dict[str, str] = {
     **{f"sampling.autoregressive.x_generate__mutmut_{i}": _DEVICE
        for i in (12, 15, 25, 28, 32, 35, 40, 44, 124, 128)},
     **{f"sampling.autoregressive.x_generate__mutmut_{i}": _INT_DTYPE for i in (39, 43)},
+    **{f"sampling.autoregressive.x_generate__mutmut_{i}": "position ids shifted by a constant per row (or left to "
+       "the backbone, which counts from the left padding): invisible to rotary embeddings, the position encoding "
+       "of every supported architecture (llama, mistral, qwen2)" for i in (47, 57, 59, 62, 64, 76, 79, 81, 83, 84,
+                                                                            85, 86)},
+    "sampling.autoregressive.x_generate__mutmut_49": _DIM,
+    **{f"sampling.autoregressive.x_generate__mutmut_{i}": "the appended attention-mask column is float, so "
+       "torch.cat promotes the mask to float 0/1: the backbone reads the same mask" for i in (123, 127)},
+    **{f"diffusion.simplex.x_cosine_alpha_bar__mutmut_{i}": "f0 = cos^2(s/(1+s)·π/2) with s = 1e-4 is 1 − 2.5e-8; "
+       "these variants move it by less than float32 resolves in the output" for i in (26, 27, 28, 29, 30, 31)},
+    "diffusion.simplex.x_top_p_sample__mutmut_11": _DIM,
     "data.canvas.x_collate__mutmut_22": "max(max(lengths), pad_to or 1): every length is >= 1 (the EOS), so the "
                                         "floor of 1 never binds",
 }
