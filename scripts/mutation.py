@@ -128,7 +128,17 @@ EXPLAINED: dict[str, str] = {
 DECORATORS = {"torch.no_grad()", "contextmanager"}
 KILLERS = False
 
-NOTES = """Notes on reading the table:
+NOTES = """The three bugs issue 18 names, each planted by hand and now failing (they passed every test before):
+
+- AR sampler, cached position ids `positions[:, -1:] + 2` (mutmut's `x_generate__mutmut_135`): fails
+  `test_ar_sampler.py::test_kv_cache_equals_recompute_logits` and `::test_cached_logits_match_unpadded_reference`,
+  which compare next-token logits (cached vs recomputed, batched vs alone) on a `perturb`-ed model.
+- EMA lerp by `decay` instead of `1 - decay`: fails `test_ema.py::test_update_matches_closed_form[0.9]` and
+  `[0.75]` (the closed form over four updates, tied weights averaged once).
+- Aggressive-T5 rate 0.50 -> 0.30: fails `test_paper_constants.py::test_ul2_rates_and_span_sets` and
+  `::test_ul2_masks_the_papers_share[aggressive_t5-0.5-spans1]` (the paper's 50 %, TESS 2 App. A.1).
+
+Notes on reading the table:
 
 - "before" ran the commit before issue 18's tests (`DLM_MUTATION_ROOT` at `git archive 64e8332`) with the same
   module -> tests map; a test file added since (test_ema, test_canvas, test_carry, test_paper_constants) is simply
