@@ -22,6 +22,7 @@ import argparse
 import ast
 import datetime
 import difflib
+import functools
 import json
 import os
 import platform
@@ -236,11 +237,17 @@ def _killer(dest: Path, name: str, tests: list[str], env: dict) -> str:
     return f"`{failed[0]}`" if failed else "a crash or timeout under mutmut"
 
 
+@functools.cache
+def _functions(path: Path) -> tuple[str, dict[str, ast.FunctionDef]]:
+    source = path.read_text()
+    return source, {n.name: n for n in ast.walk(ast.parse(source))
+                    if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+
+
 def _diff(dest: Path, module: str, name: str) -> str:
     """The changed lines of mutant `name`: its function against the original in mutmut's mutated copy of the file
     (what `mutmut show` prints, without a subprocess per mutant)."""
-    source = (dest / "mutants" / "src" / "dlm" / module).read_text()
-    funcs = {n.name: n for n in ast.walk(ast.parse(source)) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    source, funcs = _functions(dest / "mutants" / "src" / "dlm" / module)
     fn = name.rsplit(".", 1)[-1]
     orig, mutant = funcs.get(fn.rsplit("__mutmut_", 1)[0] + "__mutmut_orig"), funcs.get(fn)
     if orig is None or mutant is None:
