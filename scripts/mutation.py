@@ -373,7 +373,7 @@ def main(argv: list[str] | None = None) -> None:
         args.json.write_text(json.dumps([previous[k] for k in MODULES if k in previous], indent=1) + "\n")
     results = [previous[k] for k in MODULES if k in previous]
     command = "OMP_NUM_THREADS=1 DLM_TEST_THREADS=1 nice -n 10 python scripts/mutation.py " + " ".join(
-        argv if argv is not None else sys.argv[1:])
+        a for a in (argv if argv is not None else sys.argv[1:]) if a != "--report-only")
     write_report(results, before, args.out, command.strip(), [m for m in MODULES if m not in previous])
 
 
