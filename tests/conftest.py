@@ -46,6 +46,22 @@ def perturb(m, seed: int = 1):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.5)
     return m
 
+class LogitRecorder(torch.nn.Module):
+    """Wraps a backbone and keeps each forward's logits, so samplers' equivalence tests compare numbers, not only the
+    tokens picked from them. Use it on a `perturb`-ed model: an untrained nano model's outputs barely depend on
+    position (an off-by-one position id moves its logits by ~4e-4), a perturbed one's by several units."""
+
+    def __init__(self, backbone):
+        super().__init__()
+        self.inner = backbone
+        self.logits: list[torch.Tensor] = []
+
+    def forward(self, *args, **kwargs):
+        out = self.inner(*args, **kwargs)
+        self.logits.append(out.logits.detach().float().clone())
+        return out
+
+
 @pytest.fixture
 def one_thread():
     """Tiny models are latency-bound: one torch thread is faster, and much faster when the 2 cores are shared."""
@@ -55,9 +71,31 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+def revealing_steps(trace, row: int, width: int) -> torch.Tensor:
+    """[steps, width]: the confidences over the last `width` positions (the generated region) of one row, at each
+    step in which that row revealed something. Implementations may schedule a batch's steps differently (a KV-cached
+    sampler spends a batch step on a row's block switch), but each row's sequence of reveals must be the same."""
+    rows = [s["confidence"][row, -width:].float() for s in trace if s["revealed"][row].any()]
+    return torch.stack(rows) if rows else torch.zeros(0, width)
+
+
+def assert_same_confidences(a, b, width: int, rows: tuple[int, int] | None = None):
+    """Two generations' traces reveal with the same confidences, step by step, within float tolerance (rows: the
+    row of `a` and of `b` to compare; default every row of both)."""
+    pairs = [rows] if rows is not None else [(r, r) for r in range(len(a.tokens))]
+    for ra, rb in pairs:
+        ca, cb = revealing_steps(a.trace, ra, width), revealing_steps(b.trace, rb, width)
+        torch.testing.assert_close(ca, cb, rtol=1e-3, atol=1e-4,
+                                   msg=lambda m, ra=ra: f"row {ra}: confidences differ: {m}")
+
+
 def assert_batched_equals_one_by_one(generate, model, prompts, *args, **kwargs):
-    """Batched generation over prompts of different lengths gives each row exactly what it gets alone (tokens, NFE)."""
-    batched = generate(model, prompts, *args, **kwargs)
-    for p, toks, nfe in zip(prompts, batched.tokens, batched.nfe):
-        alone = generate(model, [p], *args, **kwargs)
+    """Batched generation over prompts of different lengths gives each row exactly what it gets alone (tokens, NFE)
+    and the same confidences at each reveal (within float tolerance): a row's numbers, not only its argmax, must not
+    depend on its neighbours or its padding."""
+    batched = generate(model, prompts, *args, return_trace=True, **kwargs)
+    for row, (p, toks, nfe) in enumerate(zip(prompts, batched.tokens, batched.nfe)):
+        alone = generate(model, [p], *args, return_trace=True, **kwargs)
         assert (alone.tokens[0], alone.nfe[0]) == (toks, nfe)
+        width = alone.trace[0]["confidence"].shape[1] - len(p)  # the generated region closes every canvas
+        assert_same_confidences(batched, alone, width, rows=(row, 0))

@@ -9,7 +9,7 @@ from dlm.modeling.blocks import block_causal_mask
 from dlm.modeling.carry import CARRY_MODULE
 from dlm.sampling.masked import generate
 from dlm.sampling.steps import candidates, make_rule
-from tests.conftest import assert_batched_equals_one_by_one, perturb, tiny_model
+from tests.conftest import assert_batched_equals_one_by_one, assert_same_confidences, perturb, tiny_model
 
 PAD, EOS, MASK, VOCAB = 0, 1, 2, 40
 NEVER = 99  # an EOS id outside the vocabulary: never produced
@@ -105,9 +105,10 @@ def test_uncached_and_cached_match_the_reference(label_shift, carry):
         assert all(len(t) == 12 for t in free.tokens)
         eos = free.tokens[1][5]
         for eos_id in (NEVER, eos):
-            runs = [generate(m, _prompts(), 10, eos_id, PAD, MASK, policy=policy, kv_cache=kv, **options)
-                    for kv in (False, True)]
+            runs = [generate(m, _prompts(), 10, eos_id, PAD, MASK, policy=policy, kv_cache=kv, return_trace=True,
+                             **options) for kv in (False, True)]
             assert runs[0].tokens == runs[1].tokens and runs[0].nfe == runs[1].nfe, (policy, eos_id)
+            assert_same_confidences(runs[1], runs[0], 12)  # the cache changes no number, only the cost
             for p, toks, nfe in zip(_prompts(), runs[1].tokens, runs[1].nfe):
                 assert (toks, nfe) == reference(m, p, 10, eos_id, policy, **options), (policy, eos_id)
         assert len(runs[1].tokens[1]) <= 5

@@ -1,5 +1,6 @@
 import math
 
+import pytest
 import torch
 
 from dlm.data.canvas import collate, make_example
@@ -135,3 +136,28 @@ def test_sampled_masks_on_a_collated_batch():
     for seed in range(50):
         masked, _ = sample_mask(batch["maskable"], torch.Generator().manual_seed(seed))
         assert not (masked & prompt).any()
+
+
+def test_small_counts_and_single_position_rows():
+    """n = ceil(t·M) clamped to [1, M]: a draw of t below 1/M masks exactly one position; a row with one maskable
+    position always masks it, at ratio 1; without a generator the global RNG is used."""
+    g = torch.Generator().manual_seed(3)
+    maskable = _maskable(400, 12, torch.full((400,), 2))
+    masked, t = sample_mask(maskable, g)
+    n = masked.sum(-1)
+    assert (n == 1).any() and torch.allclose(t[n == 1], torch.full_like(t[n == 1], 0.1))
+    one = _maskable(3, 5, torch.tensor([4, 4, 4]))
+    masked, t = sample_mask(one, g)
+    assert masked.tolist() == [[False] * 4 + [True]] * 3 and t.tolist() == [1.0, 1.0, 1.0]
+    torch.manual_seed(0)
+    masked, t = sample_mask(maskable[:5])
+    assert masked.shape == (5, 12) and not masked[:, :2].any() and (masked.sum(-1) >= 1).all()
+
+
+def test_loss_weight_cap_is_the_callers():
+    """mdm_loss caps the 1/t weight at its `weight_cap` argument, not at the default."""
+    logits = torch.tensor([[[1.0, 2.0, 0.5]]])
+    args = (logits, torch.tensor([[1]]), torch.tensor([[True]]), torch.tensor([[True]]), torch.tensor([0.1]))
+    ce = torch.logsumexp(logits[0, 0], -1) - 2.0
+    for cap in (2.0, 5.0, 8.0):
+        assert mdm_loss(*args, weight_cap=cap, z_loss=0.0)[0].item() == pytest.approx(cap * ce.item(), rel=1e-6)

@@ -90,3 +90,62 @@ def test_confidences_never_predict_the_mask_token():
     assert torch.equal(logits, original)  # the caller's logits are untouched
     conf16, token16, _ = confidences(logits.to(torch.bfloat16), 2)
     assert conf16.dtype == torch.float32 and token16.tolist() == [[1, 0]]
+
+
+def _brute_rank(conf, masked, group):
+    """Rank by (-confidence, position) among the masked positions of the same group."""
+    B, L = conf.shape
+    rank = torch.full((B, L), -1)
+    for b in range(B):
+        for i in range(L):
+            if masked[b, i]:
+                rank[b, i] = sum(1 for j in range(L) if group[b, j] == group[b, i] and masked[b, j]
+                                 and (conf[b, j] > conf[b, i] or (conf[b, j] == conf[b, i] and j < i)))
+    return rank
+
+
+def _grouped_case(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    conf = torch.randint(0, 5, (4, 14), generator=g).float() / 4  # many ties
+    masked = torch.rand(4, 14, generator=g) < 0.7
+    group = torch.randint(0, 3, (4, 14), generator=g)  # interleaved, unsorted groups, different per row
+    return conf, masked, group
+
+
+def test_grouped_rank_brute_force_interleaved_groups_and_ties():
+    from dlm.diffusion.policies import confidence_rank
+
+    for seed in range(3):
+        conf, masked, group = _grouped_case(seed)
+        rank = confidence_rank(conf, masked, group)
+        expected = _brute_rank(conf, masked, group)
+        assert torch.equal(torch.where(masked, rank, -1), expected)
+        for b in range(4):  # unmasked positions rank after the masked ones of their group
+            for i in (~masked[b]).nonzero().flatten().tolist():
+                assert rank[b, i] >= int((masked[b] & (group[b] == group[b, i])).sum())
+        ungrouped = torch.where(masked, confidence_rank(conf, masked), -1)
+        assert torch.equal(ungrouped, _brute_rank(conf, masked, torch.zeros_like(group)))
+
+
+def test_top_u_per_group_and_the_pu_rule_with_groups():
+    for seed in range(3):
+        conf, masked, group = _grouped_case(seed)
+        expected = masked & (_brute_rank(conf, masked, group) < 2)
+        assert torch.equal(top_u(conf, masked, 2, group), expected)
+        assert torch.equal(top_u_or_threshold(conf, masked, 2, 0.75, group), expected | (masked & (conf >= 0.75)))
+        for b in range(4):  # every group with a masked position reveals min(u, its masked count)
+            for k in range(3):
+                in_k = masked[b] & (group[b] == k)
+                assert int((top_u(conf, masked, 2, group)[b] & in_k).sum()) == min(2, int(in_k.sum()))
+
+
+def test_top_u_takes_a_per_row_u_and_rejects_u_below_one():
+    import pytest
+
+    conf, masked, _ = _grouped_case(1)
+    u = torch.tensor([[1], [2], [3], [1]])
+    got = top_u(conf, masked, u)
+    for b in range(4):
+        assert torch.equal(got[b], top_u(conf[b : b + 1], masked[b : b + 1], int(u[b]))[0])
+    with pytest.raises(ValueError, match="u must be >= 1, got 0"):
+        top_u(conf, masked, 0)

@@ -263,3 +263,29 @@ def test_sampler_runs_a_real_model_for_any_step_count():
         assert out.nfe == [steps, steps] and all(len(t) <= 6 for t in out.tokens)
     with pytest.raises(ValueError, match="top_p"):
         generate(m, [[5]], max_new_tokens=3, eos_id=1, pad_id=0, temperature=0.7)
+
+
+def test_schedule_and_step_edges():
+    assert cosine_alpha_bar(1).tolist() == [1.0]  # T = 1 is allowed: the clean step only
+    with pytest.raises(ValueError, match="timesteps must be >= 1, got 0"):
+        cosine_alpha_bar(0)
+    assert inference_timesteps(5000, 2) == [4999, 0]
+    with pytest.raises(ValueError, match="inference steps must be >= 1, got 0"):
+        inference_timesteps(5000, 0)
+
+
+def test_top_p_on_every_position_of_a_batch_and_only_from_the_generator():
+    """[B, L, V] logits: each position samples from its own nucleus; a seeded generator alone fixes the draw."""
+    logits = torch.log(torch.tensor([[[0.7, 0.2, 0.1, 0.0 + 1e-9], [0.05, 0.05, 0.1, 0.8]],
+                                     [[0.15, 0.05, 0.75, 0.05], [0.34, 0.33, 0.33, 1e-9]]]))
+    g = torch.Generator().manual_seed(0)
+    draws = torch.stack([top_p_sample(logits, 0.85, g) for _ in range(600)])  # [N, 2, 2]
+    assert set(draws[:, 0, 0].tolist()) == {0, 1} and set(draws[:, 0, 1].tolist()) == {2, 3}
+    assert set(draws[:, 1, 0].tolist()) == {0, 2} and set(draws[:, 1, 1].tolist()) == {0, 1, 2}
+    assert (draws[:, 0, 0] == 0).float().mean().item() == pytest.approx(0.7 / 0.9, abs=0.06)
+    outs = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        outs.append((top_p_sample(logits, 0.9, torch.Generator().manual_seed(5)),
+                     project_top_p(logits, 5.0, 0.9, torch.Generator().manual_seed(5))))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])

@@ -79,3 +79,71 @@ def test_ul2_objective_loss_on_generated_non_padding_positions():
         assert torch.equal(in_loss, gen & (batch["input_ids"] != 0))  # generated prompt/response/EOS, no padding
     gen, in_loss, _ = generated_positions(batch, "prefix_lm", False, g)
     assert torch.equal(gen, batch["maskable"]) and torch.equal(in_loss, batch["loss_mask"])
+
+
+def test_span_mask_rules_exhaustively_on_short_sequences():
+    """For every short length: a bool mask; runs have allowed lengths; the masked count overshoots round(rate · n)
+    by less than the shortest span; and it falls short only when no further span fits with its one-token gap."""
+    g = torch.Generator().manual_seed(2)
+    for spans in ((3, 8), (3, 8, 48), (1, 2), (3,)):
+        for rate in (0.15, 0.5, 0.9):
+            for n in range(1, 41):
+                target = max(1, round(rate * n))
+                for _ in range(4):
+                    m = span_mask(n, rate, spans, g)
+                    assert m.dtype == torch.bool and m.shape == (n,)
+                    r, count = runs(m), int(m.sum())
+                    assert set(r) <= set(spans), (n, rate, spans, r)
+                    assert count - target < min(spans), (n, rate, spans, count, target)
+                    if count < target:  # stopped early: no room for one more span after a gap
+                        assert n - count - len(r) < min(spans), (n, rate, spans, r)
+
+
+def test_span_mask_fills_exactly_with_gaps_and_uses_a_span_equal_to_the_need():
+    g = torch.Generator().manual_seed(0)
+    assert span_mask(7, 1.0, (3,), g).tolist() == [True] * 3 + [False] + [True] * 3  # two spans, one gap: full
+    # 8 positions still needed and 8 is an allowed length: a single span of 8 is drawn about half the time
+    assert any(runs(span_mask(11, 8 / 11, (3, 8), g)) == [8] for _ in range(30))
+    # spans reach both ends of the sequence (gaps before the first and after the last may be empty)
+    masks = torch.stack([span_mask(40, 0.5, (3, 8), g) for _ in range(200)])
+    assert masks[:, 0].any() and masks[:, -1].any()
+
+
+def test_masks_come_from_the_generator_only():
+    """Same generator seed, any global RNG state: the same masks and the same strategy (resumable data order)."""
+    valid = torch.ones(3, 60, dtype=torch.bool)
+    valid[2, 30:] = False
+    outs = []
+    for global_seed in (0, 1):
+        torch.manual_seed(global_seed)
+        g = torch.Generator().manual_seed(7)
+        outs.append([ul2_mask(valid, g) for _ in range(12)] + [ul2_mask(valid, g, "prefix_lm", "random")]
+                    + [(span_mask(50, 0.5, (3, 8, 48), g), None), (prefix_mask(50, g, "random"), None)])
+    for (a, sa), (b, sb) in zip(*outs):
+        assert torch.equal(a, b) and sa == sb
+
+
+def test_prefix_random_start_covers_one_to_length_minus_one():
+    g = torch.Generator().manual_seed(0)
+    starts = {int((~prefix_mask(4, g, "random")).sum()) for _ in range(200)}
+    assert starts == {1, 2, 3}
+    assert all(prefix_mask(2, g, "random").tolist() == [False, True] for _ in range(20))
+    with pytest.raises(ValueError, match="prefix must be 'half' or 'random'"):
+        prefix_mask(4, g, "third")
+
+
+def test_ul2_mask_rows_empty_single_and_random_prefix():
+    """An empty row in the middle is skipped, later rows still masked; a one-token row under prefix-LM is generated;
+    `prefix="random"` reaches each row."""
+    valid = torch.zeros(4, 10, dtype=torch.bool)
+    valid[0, :10], valid[2, :1], valid[3, :8] = True, True, True
+    g = torch.Generator().manual_seed(0)
+    gen, _ = ul2_mask(valid, g, "prefix_lm")
+    assert gen[0].tolist() == [False] * 5 + [True] * 5 and not gen[1].any()
+    assert gen[2].tolist() == [True] + [False] * 9 and gen[3].tolist() == [False] * 4 + [True] * 4 + [False] * 2
+    starts = {int((~ul2_mask(valid, g, "prefix_lm", "random")[0][0]).sum()) for _ in range(100)}
+    assert len(starts) > 3
+    gen, _ = ul2_mask(valid, g, "t5")
+    assert gen[3].any() and not gen[1].any()
+    with pytest.raises(ValueError, match="choose one of t5, aggressive_t5, prefix_lm"):
+        ul2_mask(valid, g, "bert")
