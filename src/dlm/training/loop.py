@@ -202,7 +202,7 @@ class Trainer:
         # Whether any rank saw a NaN/inf loss or gradient (so that every rank skips the same updates); gradients are
         # read, never written; under DeepSpeed (which owns them) the loss alone decides.
         flags = [~torch.isfinite(loss_sum)]
-        if self.acc.distributed_type != DistributedType.DEEPSPEED:
+        if not self.deepspeed:
             flags += [~torch.isfinite(sharding.local(p.grad)).all() for p in self.model.parameters()
                       if p.grad is not None]
         reduced = self.acc.reduce(torch.stack([loss_sum, torch.stack(flags).any().float()]), reduction="sum")
