@@ -124,6 +124,21 @@ EXPLAINED: dict[str, str] = {
     "diffusion.simplex.x_top_p_sample__mutmut_11": _DIM,
     "data.canvas.x_collate__mutmut_22": "max(max(lengths), pad_to or 1): every length is >= 1 (the EOS), so the "
                                         "floor of 1 never binds",
+    # ---- modeling/blocks.py (add entries below this line) ----
+
+    # ---- end modeling/blocks.py ----
+    #
+    # ---- diffusion/progressive.py, training/trajectories.py (add entries below this line) ----
+
+    # ---- end progressive/trajectories ----
+    #
+    # ---- sampling/masked.py, sampling/block_cache.py, sampling/steps.py (add entries below this line) ----
+
+    # ---- end sampling masked/block_cache/steps ----
+    #
+    # ---- sampling/simplex.py, sampling/guidance.py (add entries below this line) ----
+
+    # ---- end sampling simplex/guidance ----
 }
 
 DECORATORS = {"torch.no_grad()", "contextmanager"}
