@@ -1,6 +1,9 @@
 """Paired comparisons on per-problem outcomes: exact McNemar test, percentile bootstrap CI of the accuracy
 difference, mean ± sd over seeds, and a one-line summary. Arms must be scored on the same problems in the same order,
-so each problem is its own control (issue 17). No scipy: the p-value is computed exactly with integers."""
+so each problem is its own control (issue 17). No scipy: the p-value is computed exactly with integers.
+
+Over seeds (`compare_seeds`), each problem's outcome is averaged over the seeds first, so the CI resamples problems
+(the unit that varies) and a problem scored in three seeds is not counted as three independent problems."""
 
 from __future__ import annotations
 
@@ -86,4 +89,70 @@ def format_comparison(result: dict) -> str:
     if "low" in result:
         parts.append(f"{100 * result['confidence']:g} % CI [{100 * result['low']:+.1f}, {100 * result['high']:+.1f}]")
     parts.append(f"McNemar p = {result['p_value']:#.2g} ({result['only_a']} vs {result['only_b']} discordant)")
+    return ", ".join(parts)
+
+
+def compare_seeds(a: Sequence[Sequence[bool]], b: Sequence[Sequence[bool]], n_resamples: int = 10000,
+                  confidence: float = 0.95, seed: int = 0) -> dict:
+    """Paired comparison over seeds: `a[s][i]`, `b[s][i]` are the outcomes of problem i in seed s (the same problems
+    in every seed). Returns the accuracy mean ± sd over seeds of each arm, the per-seed differences, a percentile
+    bootstrap CI of the difference resampling problems (each problem's difference averaged over seeds), and a
+    two-sided p-value: exact McNemar for one seed, otherwise a sign-flip randomisation test on the per-problem
+    differences (its one-seed case is McNemar's null). `consistent` says whether every seed's difference has the
+    sign of the mean."""
+    if len(a) != len(b) or not len(a):
+        raise PairingError(f"compare_seeds: arm a has {len(a)} seeds and arm b {len(b)}; pass the same seeds, >= 1")
+    pairs = [_paired(x, y) for x, y in zip(a, b)]
+    if len({len(x) for x, _ in pairs}) != 1:
+        raise PairingError("compare_seeds: seeds were scored on different numbers of problems: "
+                           f"{[len(x) for x, _ in pairs]}")
+    if not 0 < confidence < 1:
+        raise DlmError(f"compare_seeds: confidence={confidence} must lie strictly between 0 and 1, e.g. 0.95")
+    A = np.stack([x for x, _ in pairs]).astype(float)
+    B = np.stack([y for _, y in pairs]).astype(float)
+    n = A.shape[1]
+    d = (A - B).mean(axis=0)
+    diff = float(d.mean())
+    rng = np.random.default_rng(seed)
+    boot = np.empty(n_resamples)
+    for i in range(0, n_resamples, 1000):  # chunks of 1000 resamples keep memory at 1000 x n
+        idx = rng.integers(0, n, size=(min(1000, n_resamples - i), n))
+        boot[i:i + len(idx)] = d[idx].mean(axis=1)
+    alpha = 1 - confidence
+    low, high = (float(q) for q in np.quantile(boot, [alpha / 2, 1 - alpha / 2]))
+    if len(pairs) == 1:
+        p = mcnemar_exact(*pairs[0])["p_value"]
+    else:
+        hits = 0
+        observed = abs(d.sum()) - 1e-12
+        for i in range(0, n_resamples, 1000):
+            signs = rng.choice(np.array([-1.0, 1.0]), size=(min(1000, n_resamples - i), n))
+            hits += int(np.sum(np.abs(signs @ d) >= observed))
+        p = (hits + 1) / (n_resamples + 1)
+    acc_a, acc_b = A.mean(axis=1), B.mean(axis=1)
+    per_seed = (acc_a - acc_b).tolist()
+    mean_a, sd_a = mean_sd(acc_a)
+    mean_b, sd_b = mean_sd(acc_b)
+    _, sd_d = mean_sd(per_seed)
+    return {"n": n, "n_seeds": len(pairs), "accuracy_a": mean_a, "sd_a": sd_a, "accuracy_b": mean_b, "sd_b": sd_b,
+            "difference": diff, "sd_difference": sd_d, "per_seed_difference": per_seed, "low": low + 0.0,
+            "high": high + 0.0, "confidence": confidence, "p_value": float(p),
+            "test": "mcnemar" if len(pairs) == 1 else "sign-flip",
+            "consistent": bool(diff != 0 and all(x * diff > 0 for x in per_seed))}
+
+
+def format_seed_comparison(result: dict) -> str:
+    """One line from `compare_seeds`, e.g. '35.1 ± 1.2 % vs 29.0 ± 0.8 % (n=300, 3 seeds): +6.1 points, 95 % CI
+    [+2.4, +9.8], sign-flip p = 0.002, every seed +'."""
+    def acc(m, sd):
+        return f"{100 * m:.1f}" + (f" ± {100 * sd:.1f}" if sd is not None else "") + " %"
+
+    seeds = result["n_seeds"]
+    parts = [f"{acc(result['accuracy_a'], result['sd_a'])} vs {acc(result['accuracy_b'], result['sd_b'])} "
+             f"(n={result['n']}, {seeds} seed{'s' if seeds > 1 else ''}): {100 * result['difference']:+.1f} points",
+             f"{100 * result['confidence']:g} % CI [{100 * result['low']:+.1f}, {100 * result['high']:+.1f}]",
+             f"{'McNemar' if result['test'] == 'mcnemar' else 'sign-flip'} p = {result['p_value']:#.2g}"]
+    if seeds > 1:
+        parts.append("same sign in every seed" if result["consistent"] else
+                     "per-seed " + " / ".join(f"{100 * x:+.1f}" for x in result["per_seed_difference"]))
     return ", ".join(parts)

@@ -1,0 +1,216 @@
+"""Pre-registered studies (issue 17). A study's arms, seeds, evaluations and settings are written in a plan file
+before anything runs; its results are cells (arm, seed, evaluation) that keep every problem's outcome, so any two arms
+can be compared paired, problem by problem. The table refuses a cell from a changed plan or a different warm start,
+so no arm can be extended or re-run on its own because it looked best. It is rewritten atomically after every cell,
+so a study interrupted anywhere resumes where it stopped, in this session or a later one.
+
+    plan = Plan.load("benchmarks/plans/pumba-table2.yaml")
+    table = StudyTable("docs/results/pumba-table2.json", plan)
+    table.pin("warm_start", fingerprint("runs/medium-mdm-cont/model"))
+    for arm, seed, key in table.missing():
+        ...                                   # train / evaluate
+        table.add(arm, seed, key, evaluate(...))
+    table.summary("w4", "u=2")                # accuracy mean ± sd over seeds
+    table.compare("w4", "mdm", "u=2")         # paired difference, bootstrap CI over problems, sign-flip p
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dlm.errors import DlmError
+from dlm.evaluation.stats import compare_seeds, mean_sd
+
+
+class StudyError(DlmError):
+    """A plan that cannot be read, or a cell that does not belong to the table's plan."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a study runs, fixed before its first cell: arms (in report order), seeds, evaluation keys and every other
+    setting. `digest` identifies it; a table records the digest of the plan its cells came from."""
+
+    name: str
+    arms: tuple[str, ...]
+    seeds: tuple[int, ...]
+    evals: tuple[str, ...]
+    settings: Mapping = field(default_factory=dict)
+    source: str = "<plan>"
+
+    def __post_init__(self):
+        for name in ("arms", "seeds", "evals"):
+            values = getattr(self, name)
+            if not values:
+                raise StudyError(f"{self.source}: field '{name}' is empty; list at least one")
+            if len(set(values)) != len(values):
+                raise StudyError(f"{self.source}: field '{name}' lists a value twice: {list(values)}")
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        import yaml
+
+        path = Path(path)
+        try:
+            raw = yaml.safe_load(path.read_text())
+        except FileNotFoundError:
+            raise StudyError(f"{path}: plan file not found") from None
+        except yaml.YAMLError as e:
+            raise StudyError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+        if not isinstance(raw, dict):
+            raise StudyError(f"{path}: a plan is a mapping with name, arms, seeds, evals and settings")
+        unknown = set(raw) - {"name", "arms", "seeds", "evals", "settings"}
+        if unknown:
+            raise StudyError(f"{path}: unknown field(s) {sorted(unknown)}; a plan has name, arms, seeds, evals, "
+                             "settings")
+        for name, kind in (("name", str), ("arms", list), ("seeds", list), ("evals", list)):
+            if not isinstance(raw.get(name), kind):
+                raise StudyError(f"{path}: field '{name}' must be a {kind.__name__}, got {raw.get(name)!r}")
+        if not all(isinstance(s, int) and not isinstance(s, bool) for s in raw["seeds"]):
+            raise StudyError(f"{path}: field 'seeds' must list integers, got {raw['seeds']!r}")
+        settings = raw.get("settings") or {}
+        if not isinstance(settings, dict):
+            raise StudyError(f"{path}: field 'settings' must be a mapping, got {settings!r}")
+        return cls(raw["name"], tuple(str(a) for a in raw["arms"]), tuple(raw["seeds"]),
+                   tuple(str(e) for e in raw["evals"]), settings, str(path))
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "arms": list(self.arms), "seeds": list(self.seeds), "evals": list(self.evals),
+                "settings": json.loads(json.dumps(dict(self.settings), sort_keys=True))}
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(self.as_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def fingerprint(model_dir: str | Path) -> str:
+    """sha256 (first 16 hex digits) over a saved model's weight files, in name order: equal fingerprints mean the
+    same weights, so a warm start rebuilt in a later session can be checked against the one the cells came from."""
+    model_dir = Path(model_dir)
+    files = sorted(p for p in model_dir.iterdir() if p.suffix in (".safetensors", ".bin")) if model_dir.is_dir() else []
+    if not files:
+        raise StudyError(f"{model_dir}: no .safetensors or .bin weight files to fingerprint")
+    h = hashlib.sha256()
+    for p in files:
+        h.update(p.name.encode())
+        with p.open("rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+def problems_digest(records) -> str:
+    """Identifies the problem list a cell was scored on (prompts and answers, in order): cells compare only on equal
+    digests."""
+    h = hashlib.sha256()
+    for r in records:
+        h.update(json.dumps([r["prompt"], r.get("answer")], sort_keys=True, default=str).encode())
+    return h.hexdigest()[:16]
+
+
+class StudyTable:
+    """The JSON table of a plan's cells: {"plan": ..., "plan_digest": ..., "pins": {...}, "cells": [...]}."""
+
+    def __init__(self, path: str | Path, plan: Plan):
+        self.path, self.plan = Path(path), plan
+        if self.path.is_file():
+            try:
+                data = json.loads(self.path.read_text())
+            except json.JSONDecodeError as e:
+                raise StudyError(f"{self.path}: not valid JSON ({e})") from None
+            if data.get("plan_digest") != plan.digest:
+                raise StudyError(
+                    f"{self.path}: its cells were run under another plan (digest {data.get('plan_digest')}, "
+                    f"this one {plan.digest}); a pre-registered plan cannot change after its first cell: "
+                    "write a new table (another --json) for a new plan")
+            self.pins, self.cells = data.get("pins", {}), data.get("cells", [])
+        else:
+            self.pins, self.cells = {}, []
+
+    # -- writing ---------------------------------------------------------------------------------------------------
+    def pin(self, name: str, value: str) -> None:
+        """Record a value every cell depends on (e.g. the warm start's fingerprint); a different value later refuses."""
+        old = self.pins.get(name)
+        if old is not None and old != value:
+            raise StudyError(f"{self.path}: pinned {name} is {old} but this run has {value}; the cells so far came "
+                             f"from another {name}, so new cells would not be comparable")
+        self.pins[name] = value
+        self._write()
+
+    def add(self, arm: str, seed: int, key: str, result: Mapping, *, problems: str, **extra) -> dict:
+        """Store one evaluation (a `dlm.evaluation.tasks.evaluate` result with its per-problem `samples`)."""
+        self._check(arm, seed, key)
+        if self.has(arm, seed, key):
+            raise StudyError(f"{self.path}: cell ({arm}, seed {seed}, {key}) already exists")
+        correct = [bool(s["correct"]) for s in result["samples"]]
+        cell = {"arm": arm, "seed": seed, "eval": key, "n": len(correct),
+                "accuracy": sum(correct) / max(len(correct), 1), "problems": problems,
+                "correct": [int(c) for c in correct],
+                **{k: result[k] for k in ("mean_nfe", "ms_per_problem") if k in result}, **extra}
+        self.cells.append(cell)
+        self._write()
+        return cell
+
+    def _check(self, arm: str, seed: int, key: str) -> None:
+        if arm not in self.plan.arms:
+            raise StudyError(f"{self.plan.source}: arm {arm!r} is not in the plan's arms {list(self.plan.arms)}")
+        if seed not in self.plan.seeds:
+            raise StudyError(f"{self.plan.source}: seed {seed} is not in the plan's seeds {list(self.plan.seeds)}")
+        if key not in self.plan.evals:
+            raise StudyError(f"{self.plan.source}: evaluation {key!r} is not in the plan's evals "
+                             f"{list(self.plan.evals)}")
+
+    def _write(self) -> None:
+        data = {"plan": self.plan.as_dict(), "plan_digest": self.plan.digest, "pins": self.pins, "cells": self.cells}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(data, indent=1) + "\n")
+        os.replace(tmp, self.path)
+
+    # -- reading ---------------------------------------------------------------------------------------------------
+    def has(self, arm: str, seed: int, key: str) -> bool:
+        return any(c["arm"] == arm and c["seed"] == seed and c["eval"] == key for c in self.cells)
+
+    def cell(self, arm: str, seed: int, key: str) -> dict | None:
+        return next((c for c in self.cells if c["arm"] == arm and c["seed"] == seed and c["eval"] == key), None)
+
+    def missing(self, arms=None) -> Iterator[tuple[str, int, str]]:
+        """Cells still to run, seed-major (every arm of seed 0 first), so a study stopped early has whole seeds."""
+        for seed in self.plan.seeds:
+            for arm in arms or self.plan.arms:
+                for key in self.plan.evals:
+                    if not self.has(arm, seed, key):
+                        yield arm, seed, key
+
+    def complete_seeds(self, arms, key: str) -> list[int]:
+        """Seeds in which every given arm has the evaluation `key`."""
+        return [s for s in self.plan.seeds if all(self.has(a, s, key) for a in arms)]
+
+    def summary(self, arm: str, key: str) -> dict:
+        """Accuracy mean ± sd over the seeds this arm has, with the per-seed values."""
+        cells = [c for c in self.cells if c["arm"] == arm and c["eval"] == key]
+        if not cells:
+            return {"arm": arm, "eval": key, "seeds": [], "mean": None, "sd": None, "per_seed": [], "n": None}
+        cells.sort(key=lambda c: self.plan.seeds.index(c["seed"]))
+        mean, sd = mean_sd([c["accuracy"] for c in cells])
+        return {"arm": arm, "eval": key, "seeds": [c["seed"] for c in cells], "mean": mean, "sd": sd,
+                "per_seed": [c["accuracy"] for c in cells], "n": cells[0]["n"],
+                "mean_nfe": sum(c.get("mean_nfe", 0) for c in cells) / len(cells)}
+
+    def compare(self, arm_a: str, arm_b: str, key: str, key_b: str | None = None, **kw) -> dict:
+        """Paired comparison of two arms (or of one arm under two evaluations) over the seeds both have."""
+        key_b = key_b or key
+        seeds = [s for s in self.plan.seeds if self.has(arm_a, s, key) and self.has(arm_b, s, key_b)]
+        if not seeds:
+            raise StudyError(f"{self.path}: no seed has both ({arm_a}, {key}) and ({arm_b}, {key_b})")
+        a, b = [self.cell(arm_a, s, key) for s in seeds], [self.cell(arm_b, s, key_b) for s in seeds]
+        if len({c["problems"] for c in a + b}) != 1:
+            raise StudyError(f"{self.path}: ({arm_a}, {key}) and ({arm_b}, {key_b}) were not all scored on the same "
+                             f"problems (seeds {seeds}); they cannot be paired")
+        return {"arm_a": arm_a, "arm_b": arm_b, "eval": key, "eval_b": key_b, "seeds": seeds,
+                **compare_seeds([c["correct"] for c in a], [c["correct"] for c in b], **kw)}

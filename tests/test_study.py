@@ -1,0 +1,141 @@
+"""Pre-registered study tables and the seed-level paired statistics behind docs/results (issue 17)."""
+
+import json
+
+import numpy as np
+import pytest
+
+from dlm.evaluation.stats import PairingError, compare_seeds, format_seed_comparison, mcnemar_exact
+from dlm.evaluation.study import Plan, StudyError, StudyTable, fingerprint, problems_digest
+
+PLAN = """name: toy
+arms: [mdm, w2]
+seeds: [0, 1, 2]
+evals: [u=2, u=2/unseen]
+settings: {steps: 200, n: 4}
+"""
+
+
+def _plan(tmp_path, text=PLAN):
+    p = tmp_path / "plan.yaml"
+    p.write_text(text)
+    return Plan.load(p)
+
+
+def _result(correct):
+    return {"mean_nfe": 3.0, "ms_per_problem": 1.0, "samples": [{"correct": c} for c in correct]}
+
+
+@pytest.mark.parametrize("text, words", [
+    ("name: x\narms: [a, a]\nseeds: [0]\nevals: [e]\n", ["arms", "twice"]),
+    ("name: x\narms: [a]\nseeds: [zero]\nevals: [e]\n", ["seeds", "integers"]),
+    ("name: x\narms: [a]\nseeds: [0]\nevals: []\n", ["evals", "empty"]),
+    ("name: x\narms: [a]\nseeds: [0]\nevals: [e]\nsteps: 3\n", ["unknown", "steps"]),
+    ("name: x\narms: a\nseeds: [0]\nevals: [e]\n", ["arms", "list"]),
+    ("name: [x\n", ["not valid YAML"]),
+])
+def test_bad_plans_are_refused_naming_the_file_and_field(tmp_path, text, words):
+    with pytest.raises(StudyError) as e:
+        _plan(tmp_path, text)
+    msg = str(e.value)
+    assert "plan.yaml" in msg and "\n" not in msg
+    assert all(w in msg for w in words)
+
+
+def test_table_resumes_refuses_other_plans_and_unplanned_cells(tmp_path):
+    plan = _plan(tmp_path)
+    path = tmp_path / "t.json"
+    t = StudyTable(path, plan)
+    assert list(t.missing())[:4] == [("mdm", 0, "u=2"), ("mdm", 0, "u=2/unseen"), ("w2", 0, "u=2"),
+                                     ("w2", 0, "u=2/unseen")]  # seed-major: whole seeds first
+    t.pin("warm_start", "abc")
+    t.add("mdm", 0, "u=2", _result([1, 0, 1, 1]), problems="p")
+    assert not path.with_name("t.json.tmp").exists()
+    again = StudyTable(path, plan)  # resumes from disk
+    assert again.cell("mdm", 0, "u=2")["correct"] == [1, 0, 1, 1] and again.cell("mdm", 0, "u=2")["accuracy"] == 0.75
+    assert ("mdm", 0, "u=2") not in set(again.missing()) and len(list(again.missing())) == 11
+    with pytest.raises(StudyError, match="already exists"):
+        again.add("mdm", 0, "u=2", _result([1, 1, 1, 1]), problems="p")
+    with pytest.raises(StudyError, match="not in the plan's arms"):
+        again.add("mdm4", 0, "u=2", _result([1]), problems="p")
+    with pytest.raises(StudyError, match="not in the plan's seeds"):
+        again.add("mdm", 7, "u=2", _result([1]), problems="p")
+    with pytest.raises(StudyError, match="warm_start is abc"):
+        again.pin("warm_start", "def")
+    # extending one arm (or adding one) changes the plan: the old table refuses it
+    with pytest.raises(StudyError, match="another plan"):
+        StudyTable(path, _plan(tmp_path, PLAN.replace("steps: 200", "steps: 400")))
+
+
+def test_summary_and_compare_pair_by_problem(tmp_path):
+    t = StudyTable(tmp_path / "t.json", _plan(tmp_path))
+    a = [[1, 1, 0, 1], [1, 0, 1, 1], [1, 1, 1, 1]]
+    b = [[0, 1, 0, 0], [1, 0, 0, 1], [0, 1, 0, 1]]
+    for s in range(3):
+        t.add("w2", s, "u=2", _result(a[s]), problems="p")
+        t.add("mdm", s, "u=2", _result(b[s]), problems="p")
+    s = t.summary("w2", "u=2")
+    assert s["seeds"] == [0, 1, 2] and s["per_seed"] == [0.75, 0.75, 1.0]
+    assert s["mean"] == pytest.approx(2.5 / 3) and s["sd"] == pytest.approx(np.std([0.75, 0.75, 1.0], ddof=1))
+    c = t.compare("w2", "mdm", "u=2")
+    assert c["seeds"] == [0, 1, 2] and c["difference"] == pytest.approx((2 + 1 + 2) / 4 / 3)
+    assert c["per_seed_difference"] == pytest.approx([0.5, 0.25, 0.5]) and c["consistent"]
+    t.add("mdm", 0, "u=2/unseen", _result([0, 0, 0, 0]), problems="other")
+    t.add("w2", 0, "u=2/unseen", _result([1, 0, 0, 0]), problems="other")
+    with pytest.raises(StudyError, match="same problems"):
+        t.compare("w2", "mdm", "u=2", key_b="u=2/unseen")
+
+
+def test_compare_seeds_matches_a_slow_reference():
+    rng = np.random.default_rng(3)
+    a = rng.random((3, 200)) < 0.55
+    b = rng.random((3, 200)) < 0.45
+    r = compare_seeds(a, b, n_resamples=4000)
+    d = [sum(int(a[s][i]) - int(b[s][i]) for s in range(3)) / 3 for i in range(200)]  # per problem, seeds averaged
+    assert r["difference"] == pytest.approx(sum(d) / 200)
+    assert r["accuracy_a"] == pytest.approx(a.mean()) and r["n"] == 200 and r["n_seeds"] == 3
+    # the bootstrap CI of a mean of d: about ±1.96 standard errors
+    se = np.std(d, ddof=1) / np.sqrt(200)
+    assert r["low"] == pytest.approx(r["difference"] - 1.96 * se, abs=0.012)
+    assert r["high"] == pytest.approx(r["difference"] + 1.96 * se, abs=0.012)
+    assert r["test"] == "sign-flip" and r["p_value"] < 0.01
+    same = compare_seeds(a, a, n_resamples=500)
+    assert same["difference"] == 0 and same["p_value"] == 1.0 and not same["consistent"]
+
+
+def test_sign_flip_p_reduces_to_mcnemar_for_one_seed_repeated():
+    rng = np.random.default_rng(0)
+    a = rng.random(120) < 0.5
+    b = np.where(rng.random(120) < 0.8, a, ~a) & (rng.random(120) < 0.9)
+    exact = mcnemar_exact(a, b)["p_value"]
+    one = compare_seeds([a], [b])
+    assert one["test"] == "mcnemar" and one["p_value"] == exact
+    twice = compare_seeds([a, a], [b, b], n_resamples=20000)  # the same seed twice: the same per-problem d
+    assert twice["p_value"] == pytest.approx(exact, abs=0.02)
+
+
+def test_compare_seeds_refuses_unpaired_input_and_formats():
+    with pytest.raises(PairingError, match="seeds"):
+        compare_seeds([[1, 0]], [[1, 0], [0, 1]])
+    with pytest.raises(PairingError, match="different numbers of problems"):
+        compare_seeds([[1, 0], [1, 0, 1]], [[1, 1], [0, 0, 1]])
+    line = format_seed_comparison(compare_seeds([[1] * 30 + [0] * 10] * 3, [[0] * 20 + [1] * 20] * 3,
+                                                n_resamples=500))
+    assert line.startswith("75.0 ± 0.0 % vs 50.0 ± 0.0 % (n=40, 3 seeds): +25.0 points, 95 % CI [")
+    assert "sign-flip p = " in line and line.endswith("same sign in every seed")
+
+
+def test_fingerprint_and_problem_digest(tmp_path):
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "model.safetensors").write_bytes(b"\x00" * 100)
+    (d / "config.json").write_text(json.dumps({"a": 1}))
+    f = fingerprint(d)
+    (d / "config.json").write_text(json.dumps({"a": 2}))  # config is not weights
+    assert fingerprint(d) == f
+    (d / "model.safetensors").write_bytes(b"\x00" * 99 + b"\x01")
+    assert fingerprint(d) != f
+    with pytest.raises(StudyError, match="no .safetensors"):
+        fingerprint(tmp_path / "nothing")
+    recs = [{"prompt": "1+1", "answer": 2}, {"prompt": "2+2", "answer": 4}]
+    assert problems_digest(recs) != problems_digest(recs[::-1]) and problems_digest(recs) == problems_digest(recs)
