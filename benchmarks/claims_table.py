@@ -1,0 +1,434 @@
+"""One table of the papers' claims and dlm's evidence (issue 17, item 7).
+
+Reads docs/results/claims.yaml (every claim of PUMBA and TESS 2 that dlm measures, with its evidence) and the
+pre-registered study tables present in docs/results/ (`dlm.evaluation.study.StudyTable` JSON), and writes
+docs/results/README.md (the table, the verdict rule, the date and this command) and the Results section of README.md
+(one line per headline claim, between `<!-- claims:begin -->` and `<!-- claims:end -->`).
+
+    python benchmarks/claims_table.py                  # both files, from the repository root
+
+Study claims get their verdict computed from the table (`verdict`); legacy claims carry a verdict written in
+claims.yaml, and the numbers they quote are read back from their JSON (`check`) so a doc and its JSON cannot drift
+apart unnoticed. Every mistake in claims.yaml is reported as one line naming the file, the claim and the field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import re
+import sys
+from pathlib import Path
+
+import yaml
+
+from dlm.errors import DlmError
+from dlm.evaluation.study import Plan, StudyError, StudyTable
+
+ROOT = Path(__file__).resolve().parents[1]
+COMMAND = "python benchmarks/claims_table.py"
+PAPERS = ("PUMBA", "TESS 2")
+VERDICTS = ("reproduced", "partly", "not run", "not")  # "not run" before "not": prefixes are matched in order
+BEGIN, END = "<!-- claims:begin -->", "<!-- claims:end -->"
+
+VERDICT_RULE = """\
+- **reproduced**: at least 3 seeds, the 95 % CI of the paired difference excludes 0 in the paper's direction, and
+  every seed's difference has that sign.
+- **partly**: the mean difference has the paper's sign, but short of *reproduced* (the CI includes 0, fewer than 3
+  seeds, or a seed with the other sign).
+- **not**: the mean difference is 0 or has the opposite sign (whether or not its CI excludes 0).
+- **not run**: no seed has both cells yet (or nothing was measured).
+- Claims that an arm *matches* another (`not worse than by more than m points`): *reproduced* when, with at least
+  3 seeds, the CI's lower end is above −m; *not* when the mean difference is below −m; *partly* otherwise.
+
+The difference is arm a − arm b in accuracy on the same problems, averaged over seeds per problem; the CI resamples
+problems (`dlm.evaluation.stats.compare_seeds`: 10,000 bootstrap resamples; p: exact McNemar for one seed, a
+sign-flip test for several). Rows from earlier one-seed studies (legacy) quote their doc's numbers, read back from
+its JSON, and carry a verdict written by hand under the same rule: without 3 seeds and a CI none is *reproduced*."""
+
+
+class ClaimsError(DlmError):
+    """A claims.yaml that cannot be read, or evidence that does not match the study tables or JSON it names."""
+
+
+# -- reading claims.yaml ---------------------------------------------------------------------------------------------
+_FIELDS = {"id", "paper", "section", "statement", "paper_number", "readme", "evidence"}
+_REQUIRED = ("id", "paper", "section", "statement", "paper_number", "evidence")
+_STUDY = {"plan", "arm_a", "arm_b", "eval", "eval_b", "expect", "margin", "json"}
+_LEGACY = {"doc", "number", "n", "seeds", "ci", "verdict", "note", "check"}
+_CHECK = {"json", "path", "value", "tol"}
+
+
+def load_claims(path: str | Path) -> dict:
+    """claims.yaml, validated: {"claims": [...], "out_of_scope": [...], "other": [...]} with each claim's line."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ClaimsError(f"{path}: claims file not found") from None
+    try:
+        raw = yaml.safe_load(text)
+        node = yaml.compose(text)
+    except yaml.YAMLError as e:
+        raise ClaimsError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from None
+    if not isinstance(raw, dict) or not isinstance(raw.get("claims"), list):
+        raise ClaimsError(f"{path}: field 'claims' must be a list of claims at the top level")
+    unknown = set(raw) - {"claims", "out_of_scope", "other"}
+    if unknown:
+        raise ClaimsError(f"{path}: unknown top-level field(s) {sorted(unknown)}; use claims, out_of_scope, other")
+    lines = _claim_lines(node)
+    seen = {}
+    for i, claim in enumerate(raw["claims"]):
+        where = f"{path}:{lines[i] if i < len(lines) else '?'}: claims[{i}]"
+        _check_claim(claim, where)
+        if claim["id"] in seen:
+            raise ClaimsError(f"{where}: field 'id' {claim['id']!r} is already used by claims[{seen[claim['id']]}]")
+        seen[claim["id"]] = i
+        claim["_where"] = f"{path}:{lines[i] if i < len(lines) else '?'}: claim '{claim['id']}'"
+    for name in ("out_of_scope", "other"):
+        if not isinstance(raw.get(name, []), list):
+            raise ClaimsError(f"{path}: field '{name}' must be a list")
+    for j, o in enumerate(raw.get("other", [])):
+        if not (isinstance(o, dict) and set(o) == {"doc", "what"}):
+            raise ClaimsError(f"{path}: other[{j}] must be a mapping with exactly the fields doc and what")
+    return {"claims": raw["claims"], "out_of_scope": raw.get("out_of_scope", []), "other": raw.get("other", []),
+            "path": path}
+
+
+def _claim_lines(node) -> list[int]:
+    for key, value in getattr(node, "value", []):
+        if getattr(key, "value", None) == "claims" and isinstance(value, yaml.SequenceNode):
+            return [item.start_mark.line + 1 for item in value.value]
+    return []
+
+
+def _need(mapping: dict, fields, where: str, prefix: str) -> None:
+    for f in fields:
+        if mapping.get(f) in (None, ""):
+            raise ClaimsError(f"{where}: field '{prefix}{f}' is missing")
+
+
+def _check_claim(claim, where: str) -> None:
+    if not isinstance(claim, dict):
+        raise ClaimsError(f"{where}: a claim is a mapping with {', '.join(_REQUIRED)}")
+    if "id" in claim:
+        where = f"{where} (id {claim['id']!r})"
+    _need(claim, _REQUIRED, where, "")
+    unknown = set(claim) - _FIELDS
+    if unknown:
+        raise ClaimsError(f"{where}: unknown field(s) {sorted(unknown)}; a claim has {', '.join(sorted(_FIELDS))}")
+    if not re.fullmatch(r"[a-z0-9][a-z0-9-]*", str(claim["id"])):
+        raise ClaimsError(f"{where}: field 'id' must be lower-case letters, digits and dashes, got {claim['id']!r}")
+    if claim["paper"] not in PAPERS:
+        raise ClaimsError(f"{where}: field 'paper' must be one of {list(PAPERS)}, got {claim['paper']!r}")
+    ev = claim["evidence"]
+    if not isinstance(ev, dict) or not ev or set(ev) - {"study", "legacy", "not_run"}:
+        raise ClaimsError(f"{where}: field 'evidence' must be a mapping of study, legacy and/or not_run, got {ev!r}")
+    if "not_run" in ev:
+        if len(ev) > 1:
+            raise ClaimsError(f"{where}: field 'evidence.not_run' cannot stand beside study or legacy; drop it")
+        if not isinstance(ev["not_run"], dict) or set(ev["not_run"]) != {"reason"}:
+            raise ClaimsError(f"{where}: field 'evidence.not_run' must be a mapping with a reason")
+    if "study" in ev:
+        s = ev["study"]
+        if not isinstance(s, dict):
+            raise ClaimsError(f"{where}: field 'evidence.study' must be a mapping with plan, arm_a, arm_b, eval")
+        _need(s, ("plan", "arm_a", "arm_b", "eval"), where, "evidence.study.")
+        if set(s) - _STUDY:
+            raise ClaimsError(f"{where}: unknown field(s) {sorted(set(s) - _STUDY)} in evidence.study")
+        expect = s.setdefault("expect", "higher")
+        if expect not in ("higher", "not_lower"):
+            raise ClaimsError(f"{where}: field 'evidence.study.expect' must be higher or not_lower, got {expect!r}")
+        margin = s.get("margin")
+        if expect == "not_lower" and not (isinstance(margin, (int, float)) and margin >= 0):
+            raise ClaimsError(f"{where}: field 'evidence.study.margin' (accuracy points >= 0) is needed with "
+                              f"expect: not_lower, got {margin!r}")
+        if expect == "higher" and margin is not None:
+            raise ClaimsError(f"{where}: field 'evidence.study.margin' only applies to expect: not_lower")
+    if "legacy" in ev:
+        leg = ev["legacy"]
+        if not isinstance(leg, dict):
+            raise ClaimsError(f"{where}: field 'evidence.legacy' must be a mapping with doc, number, n, seeds, verdict")
+        _need(leg, ("doc", "number", "n", "seeds", "verdict"), where, "evidence.legacy.")
+        if set(leg) - _LEGACY:
+            raise ClaimsError(f"{where}: unknown field(s) {sorted(set(leg) - _LEGACY)} in evidence.legacy")
+        kind = verdict_kind(leg["verdict"])
+        if kind is None:
+            raise ClaimsError(f"{where}: field 'evidence.legacy.verdict' must start with one of {list(VERDICTS)}, "
+                              f"got {leg['verdict']!r}")
+        if kind == "reproduced" and not (isinstance(leg["seeds"], int) and leg["seeds"] >= 3 and leg.get("ci")):
+            raise ClaimsError(f"{where}: field 'evidence.legacy.verdict' says reproduced, which needs seeds >= 3 and "
+                              "a ci; write partly (k seeds) instead")
+        for j, c in enumerate(leg.get("check") or []):
+            if not isinstance(c, dict):
+                raise ClaimsError(f"{where}: field 'evidence.legacy.check[{j}]' must be a mapping json, path, value")
+            _need(c, ("json", "path", "value"), where, f"evidence.legacy.check[{j}].")
+            if set(c) - _CHECK or not isinstance(c["path"], list) or not isinstance(c["value"], (int, float)):
+                raise ClaimsError(f"{where}: field 'evidence.legacy.check[{j}]' must have json, a path list, a "
+                                  f"numeric value and an optional tol, got {c!r}")
+
+
+def verdict_kind(text) -> str | None:
+    text = str(text).strip().lower()
+    return next((v for v in VERDICTS if text.startswith(v)), None)
+
+
+# -- the verdict rule ------------------------------------------------------------------------------------------------
+def verdict(result: dict, expect: str = "higher", margin: float = 0.0) -> str:
+    """reproduced / partly / not from a `compare_seeds` result (VERDICT_RULE); margin in accuracy points."""
+    d, low, seeds = result["difference"], result["low"], result["n_seeds"]
+    if expect == "higher":
+        if seeds >= 3 and low > 0 and result["consistent"]:
+            return "reproduced"
+        return "partly" if d > 0 else "not"
+    if expect == "not_lower":
+        m = margin / 100
+        if d < -m:
+            return "not"
+        return "reproduced" if seeds >= 3 and low > -m else "partly"
+    raise ClaimsError(f"verdict: expect must be higher or not_lower, got {expect!r}")
+
+
+# -- evidence --------------------------------------------------------------------------------------------------------
+def _plan_of(ref: dict, results: Path, plans: Path, where: str) -> tuple[Plan | None, Path]:
+    """The study's plan (from its table if there is one, else from benchmarks/plans/) and its table's path."""
+    table = results / (ref.get("json") or f"{ref['plan']}.json")
+    if table.is_file():
+        try:
+            data = json.loads(table.read_text())
+            p = data["plan"]
+            plan = Plan(p["name"], tuple(p["arms"]), tuple(p["seeds"]), tuple(p["evals"]), p.get("settings", {}),
+                        str(table))
+        except (json.JSONDecodeError, KeyError, TypeError, StudyError) as e:
+            raise ClaimsError(f"{where}: study table {table} cannot be read as a StudyTable ({e})") from None
+        if data.get("plan_digest") != plan.digest:
+            raise ClaimsError(f"{where}: study table {table} has plan_digest {data.get('plan_digest')} but its plan "
+                              f"hashes to {plan.digest}; the table was edited by hand")
+        return plan, table
+    yaml_plan = plans / f"{ref['plan']}.yaml"
+    if yaml_plan.is_file():
+        try:
+            return Plan.load(yaml_plan), table
+        except StudyError as e:
+            raise ClaimsError(f"{where}: {e}") from None
+    return None, table
+
+
+def study_evidence(ref: dict, results: Path, plans: Path, where: str) -> dict:
+    """{"done", "planned", "result", "preregistered", "link"} of one study comparison; result None when no seed has
+    both cells."""
+    plan, table_path = _plan_of(ref, results, plans, where)
+    key_b = ref.get("eval_b") or ref["eval"]
+    if plan is not None:
+        for field, arm in (("arm_a", ref["arm_a"]), ("arm_b", ref["arm_b"])):
+            if arm not in plan.arms:
+                raise ClaimsError(f"{where}: field 'evidence.study.{field}' {arm!r} is not an arm of plan "
+                                  f"{ref['plan']} (arms: {', '.join(plan.arms)})")
+        for field, key in (("eval", ref["eval"]), ("eval_b", key_b)):
+            if key not in plan.evals:
+                raise ClaimsError(f"{where}: field 'evidence.study.{field}' {key!r} is not an evaluation of plan "
+                                  f"{ref['plan']} (evals: {', '.join(plan.evals)})")
+    planned = len(plan.seeds) if plan is not None else 3
+    doc = results / f"{ref['plan']}.md"
+    link = (doc.name if doc.is_file() else table_path.name if table_path.is_file() else
+            f"../../benchmarks/plans/{ref['plan']}.yaml" if (plans / f"{ref['plan']}.yaml").is_file() else None)
+    out = {"done": 0, "planned": planned, "result": None, "preregistered": None, "link": link}
+    if plan is None or not table_path.is_file():
+        return out
+    table = StudyTable(table_path, plan)
+    seeds = [s for s in plan.seeds if table.has(ref["arm_a"], s, ref["eval"]) and table.has(ref["arm_b"], s, key_b)]
+    out["done"] = len(seeds)
+    if seeds:
+        try:
+            out["result"] = table.compare(ref["arm_a"], ref["arm_b"], ref["eval"], key_b)
+        except (StudyError, DlmError) as e:
+            raise ClaimsError(f"{where}: {e}") from None
+    comparisons = (plan.settings or {}).get("comparisons")
+    if isinstance(comparisons, list):
+        pair = {(c.get("a"), c.get("b"), c.get("eval"), c.get("eval_b") or c.get("eval"))
+                for c in comparisons if isinstance(c, dict)}
+        out["preregistered"] = ((ref["arm_a"], ref["arm_b"], ref["eval"], key_b) in pair
+                                or (ref["arm_b"], ref["arm_a"], ref["eval"], key_b) in pair)
+    return out
+
+
+def check_legacy(leg: dict, results: Path, where: str) -> None:
+    """The doc exists and every `check` value equals its JSON's within tol (default 0.0005)."""
+    if not (results / leg["doc"]).is_file():
+        raise ClaimsError(f"{where}: field 'evidence.legacy.doc' names {leg['doc']}, which is not in {results}")
+    cache: dict[str, object] = {}
+    for j, c in enumerate(leg.get("check") or []):
+        field = f"evidence.legacy.check[{j}]"
+        file = results / c["json"]
+        if c["json"] not in cache:
+            try:
+                cache[c["json"]] = json.loads(file.read_text())
+            except (FileNotFoundError, json.JSONDecodeError) as e:
+                raise ClaimsError(f"{where}: field '{field}.json': {file} cannot be read ({e})") from None
+        node = cache[c["json"]]
+        for step in c["path"]:
+            if isinstance(step, dict):
+                hits = [x for x in node if isinstance(x, dict) and all(x.get(k) == v for k, v in step.items())] \
+                    if isinstance(node, list) else []
+                if len(hits) != 1:
+                    raise ClaimsError(f"{where}: field '{field}.path': {step} matches {len(hits)} entries of "
+                                      f"{c['json']}, not exactly one")
+                node = hits[0]
+            elif isinstance(node, dict) and str(step) in node:
+                node = node[str(step)]
+            elif isinstance(node, list) and isinstance(step, int) and -len(node) <= step < len(node):
+                node = node[step]
+            else:
+                raise ClaimsError(f"{where}: field '{field}.path': no {step!r} in {c['json']} at that point")
+        tol = c.get("tol", 0.0005)
+        if not isinstance(node, (int, float)) or abs(node - c["value"]) > tol:
+            raise ClaimsError(f"{where}: field '{field}': {c['json']} {c['path']} is {node!r}, claims.yaml says "
+                              f"{c['value']} (tol {tol}); the doc's number and its JSON disagree")
+
+
+# -- rendering -------------------------------------------------------------------------------------------------------
+def _pct(x: float, sd: float | None = None) -> str:
+    return f"{100 * x:.1f}" + (f" ± {100 * sd:.1f}" if sd is not None else "")
+
+
+def _cell(text) -> str:
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
+def build_rows(data: dict, results: Path, plans: Path) -> list[dict]:
+    """One rendered row per claim: claim, paper's number, dlm's number, n, seeds, CI, verdict, link, note."""
+    rows = []
+    for c in data["claims"]:
+        where, ev = c["_where"], c["evidence"]
+        row = {"id": c["id"], "paper": c["paper"], "claim": f"{c['statement']} ({c['section']})",
+               "paper_number": c["paper_number"], "readme": c.get("readme"), "note": None, "study": None}
+        if "legacy" in ev:
+            check_legacy(ev["legacy"], results, where)
+        st = study_evidence(ev["study"], results, plans, where) if "study" in ev else None
+        if st is not None:
+            ref = ev["study"]
+            plan_link = f"[{ref['plan']}]({st['link']})" if st["link"] else ref["plan"]
+            status = f"plan {plan_link}: {st['done']}/{st['planned']} seeds"
+        if st is not None and st["result"] is not None:
+            r = st["result"]
+            label_a = ref["arm_a"] + (f" {ref['eval']}" if ref.get("eval_b") else "")
+            label_b = ref["arm_b"] + (f" {ref['eval_b']}" if ref.get("eval_b") else "")
+            v = verdict(r, ref["expect"], ref.get("margin") or 0)
+            extra = [] if st["preregistered"] in (None, True) else ["not pre-registered"]
+            row.update(
+                dlm_number=f"{label_a} {_pct(r['accuracy_a'], r['sd_a'])} vs {label_b} "
+                           f"{_pct(r['accuracy_b'], r['sd_b'])} % ({100 * r['difference']:+.1f})"
+                           + ("" if ref.get("eval_b") else f", {ref['eval']}"),
+                n=str(r["n"]), seeds=f"{st['done']}/{st['planned']}",
+                ci=f"[{100 * r['low']:+.1f}, {100 * r['high']:+.1f}], p = {r['p_value']:.2g}",
+                verdict_text=" · ".join([v, *extra]), link=plan_link, kind=v,
+                note=(f"expect: not worse than {ref['arm_b']} by more than {ref['margin']} points"
+                      if ref["expect"] == "not_lower" else None))
+        elif "legacy" in ev:
+            leg = ev["legacy"]
+            row.update(dlm_number=leg["number"], n=str(leg["n"]), seeds=str(leg["seeds"]), ci=leg.get("ci") or "—",
+                       verdict_text=leg["verdict"], link=f"[{leg['doc']}]({leg['doc']})",
+                       kind=verdict_kind(leg["verdict"]), note=leg.get("note"),
+                       study=status if st is not None else None)
+        elif st is not None:
+            row.update(dlm_number="—", n="—", seeds=f"0/{st['planned']}", ci="—", kind="not run",
+                       verdict_text=f"not run (plan {ref['plan']}, {st['done']}/{st['planned']} seeds)",
+                       link=plan_link)
+        else:
+            row.update(dlm_number="—", n="—", seeds="—", ci="—", verdict_text="not run", link="—", kind="not run",
+                       note=ev["not_run"]["reason"])
+        rows.append(row)
+    return rows
+
+
+def render_results_readme(data: dict, rows: list[dict], date: str) -> str:
+    counts = {k: sum(r["kind"] == k for r in rows) for k in VERDICTS}
+    out = ["# Claims of the two papers, and what dlm measured", "",
+           f"Generated on {date} by `{COMMAND}` from [`claims.yaml`](claims.yaml) and the study tables in this "
+           "folder; edit those, not this file.", "",
+           f"{len(rows)} claims: {counts['reproduced']} reproduced, {counts['partly']} partly, {counts['not']} not, "
+           f"{counts['not run']} not run. Papers: PUMBA (Madeira et al., 2026, *On Trajectory-Aware Training for "
+           "Masked Diffusion Language Models*) and TESS 2 (Tae et al., 2025). The paper's numbers are on its own "
+           "tasks (TinyGSM → GSM8K, LLaDA-8B, Mistral-7B); dlm's are on tinymath and Shakespeare with 3.6–3.9 M "
+           "parameters on CPU, so directions are compared, not magnitudes.", "",
+           "## Verdict rule", "", VERDICT_RULE, ""]
+    for paper in PAPERS:
+        mine = [r for r in rows if r["paper"] == paper]
+        out += [f"## {paper}", "",
+                "| id | claim | paper's number | dlm's number | n | seeds | CI (points) | verdict | link |",
+                "|---|---|---|---|---|---|---|---|---|"]
+        for r in mine:
+            link = r["link"] + (f"; {r['study']}" if r["study"] else "")
+            out.append("| " + " | ".join(_cell(x) for x in (
+                f"`{r['id']}`", r["claim"], r["paper_number"], r["dlm_number"], r["n"], r["seeds"], r["ci"],
+                f"**{r['verdict_text']}**", link)) + " |")
+        notes = [r for r in mine if r["note"]]
+        if notes:
+            out += ["", "Notes:"] + [f"- `{r['id']}`: {' '.join(r['note'].split())}" for r in notes]
+        out.append("")
+    if data["out_of_scope"]:
+        out += ["## Claims not in the table (out of reach here)", ""] + [f"- {x}" for x in data["out_of_scope"]]
+        out.append("")
+    if data["other"]:
+        out += ["## Other measurements (not paper claims)", ""]
+        out += [f"- [{o['doc']}]({o['doc']}): {o['what']}" for o in data["other"]]
+        out.append("")
+    return "\n".join(out)
+
+
+def render_readme_section(rows: list[dict]) -> str:
+    counts = {k: sum(r["kind"] == k for r in rows) for k in VERDICTS}
+    lines = [BEGIN,
+             f"Every claim of the two papers that dlm measures, with dlm's number, n, seeds, CI and a verdict, is in "
+             f"[docs/results/README.md](docs/results/README.md) ({len(rows)} claims: {counts['reproduced']} "
+             f"reproduced, {counts['partly']} partly, {counts['not']} not, {counts['not run']} not run). "
+             "Headlines (tinymath, 3.6–3.7 M-parameter models on CPU):"]
+    for r in rows:
+        if not r["readme"]:
+            continue
+        seeds = "" if "seed" in r["verdict_text"] else f", {r['seeds']} seed{'' if r['seeds'] == '1' else 's'}"
+        link = re.sub(r"\]\((?!\.\./\.\./)", "](docs/results/", r["link"]).replace("](../../", "](")
+        number = r["dlm_number"] if r["dlm_number"] != "—" else "not measured yet"
+        lines.append(f"- {r['readme']}: {number} — **{r['verdict_text']}**{seeds}, n = {r['n']} ({link})")
+    lines.append(END)
+    return "\n".join(lines)
+
+
+def replace_between(text: str, new: str, where: str) -> str:
+    """Replace the block from BEGIN to END (markers included) with `new`."""
+    i, j = text.find(BEGIN), text.find(END)
+    if i < 0 or j < i:
+        raise ClaimsError(f"{where}: no {BEGIN} … {END} block to replace; add both markers where the claims go")
+    return text[:i] + new + text[j + len(END):]
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--claims", default=str(ROOT / "docs/results/claims.yaml"), help="the claims file")
+    ap.add_argument("--results", default=None, help="folder of the results docs and study JSON (default: the "
+                    "claims file's folder)")
+    ap.add_argument("--plans", default=str(ROOT / "benchmarks/plans"), help="folder of the study plans")
+    ap.add_argument("--out", default=None, help="the table to write (default: README.md in --results)")
+    ap.add_argument("--readme", default=str(ROOT / "README.md"),
+                    help="file whose claims block is rewritten ('' to leave it alone)")
+    ap.add_argument("--date", default=datetime.datetime.now(datetime.timezone.utc).date().isoformat())
+    args = ap.parse_args(argv)
+    data = load_claims(args.claims)
+    results = Path(args.results) if args.results else data["path"].parent
+    rows = build_rows(data, results, Path(args.plans))
+    out = Path(args.out) if args.out else results / "README.md"
+    out.write_text(render_results_readme(data, rows, args.date))
+    if args.readme:
+        readme = Path(args.readme)
+        readme.write_text(replace_between(readme.read_text(), render_readme_section(rows), str(readme)))
+    counts = {k: sum(r["kind"] == k for r in rows) for k in VERDICTS}
+    print(f"{out}: {len(rows)} claims, " + ", ".join(f"{v} {k}" for k, v in counts.items()))
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except DlmError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,180 @@
+"""benchmarks/claims_table.py: verdicts computed from synthetic pre-registered study tables, one clear line for a
+malformed claims.yaml, and the shipped claims.yaml read back against the JSON of the docs it quotes (issue 17, 7)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dlm.evaluation.study import Plan, StudyTable
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import claims_table  # noqa: E402
+from claims_table import ClaimsError, verdict  # noqa: E402
+
+PLAN = """name: toy
+arms: [better, slightly, worse, b]
+seeds: [0, 1, 2]
+evals: [e, one-seed]
+settings: {comparisons: [{a: better, b: b, eval: e}, {a: worse, b: b, eval: e}]}
+"""
+
+
+def _study(tmp_path):
+    """A 3-seed table (n=200 per cell): 'better' solves every problem b solves plus half of the rest; 'slightly' is b
+    with three problems gained and two lost; 'worse' loses half of b's. Eval 'one-seed' has seed 0 only."""
+    plans, results = tmp_path / "plans", tmp_path / "results"
+    plans.mkdir()
+    results.mkdir()
+    (plans / "toy.yaml").write_text(PLAN)
+    (plans / "empty.yaml").write_text(PLAN.replace("name: toy", "name: empty"))
+    table = StudyTable(results / "toy.json", Plan.load(plans / "toy.yaml"))
+    rng = np.random.default_rng(0)
+    for seed in (0, 1, 2):
+        b = rng.random(200) < 0.4
+        arms = {"b": b, "better": b | (rng.random(200) < 0.5), "worse": b & (rng.random(200) < 0.5)}
+        slightly = b.copy()
+        slightly[np.flatnonzero(~b)[:3]] = True
+        slightly[np.flatnonzero(b)[:2]] = False
+        arms["slightly"] = slightly
+        for arm, correct in arms.items():
+            table.add(arm, seed, "e", {"samples": [{"correct": bool(c)} for c in correct]}, problems="p")
+            if seed == 0 and arm in ("better", "b"):
+                table.add(arm, seed, "one-seed", {"samples": [{"correct": bool(c)} for c in correct]}, problems="p")
+    return plans, results, table
+
+
+def _run(claims, results, plans, readme="", *extra):
+    claims_table.main(["--claims", str(claims), "--results", str(results), "--plans", str(plans),
+                       "--readme", str(readme), *extra])
+
+
+def _claim(cid, evidence):
+    return (f"- id: {cid}\n  paper: PUMBA\n  section: §3.3\n  statement: s\n  paper_number: '1'\n"
+            f"  evidence:\n    {evidence}\n")
+
+
+def test_verdicts_from_synthetic_study_tables(tmp_path):
+    plans, results, table = _study(tmp_path)
+    rep = table.compare("better", "b", "e")
+    assert rep["n_seeds"] == 3 and rep["low"] > 0 and rep["consistent"] and verdict(rep) == "reproduced"
+    small = table.compare("slightly", "b", "e")
+    assert small["difference"] == pytest.approx(0.005) and small["low"] < 0 < small["high"]
+    assert verdict(small) == "partly"  # right sign, CI includes 0
+    one = table.compare("better", "b", "one-seed")
+    assert one["n_seeds"] == 1 and one["low"] > 0 and verdict(one) == "partly"  # CI excludes 0, but one seed
+    worse = table.compare("worse", "b", "e")
+    assert worse["high"] < 0 and verdict(worse) == "not"
+    # "matches": a deficit inside the margin is reproduced with 3 seeds, one beyond it is not
+    assert verdict(small | {"difference": -0.005, "low": -0.015, "high": 0.005}, "not_lower", 2) == "reproduced"
+    assert verdict(small | {"difference": -0.005, "low": -0.03, "high": 0.02}, "not_lower", 2) == "partly"
+    assert verdict(worse, "not_lower", 2) == "not"
+    assert verdict(one | {"difference": 0.0, "low": -0.01, "high": 0.01}, "not_lower", 2) == "partly"  # 1 seed
+
+    claims = tmp_path / "claims.yaml"
+    claims.write_text("claims:\n" + "".join([
+        _claim("rep", "study: {plan: toy, arm_a: better, arm_b: b, eval: e}"),
+        _claim("part", "study: {plan: toy, arm_a: slightly, arm_b: b, eval: e}"),
+        _claim("one", "study: {plan: toy, arm_a: better, arm_b: b, eval: one-seed}"),
+        _claim("neg", "study: {plan: toy, arm_a: worse, arm_b: b, eval: e}"),
+        _claim("empty", "study: {plan: empty, arm_a: better, arm_b: b, eval: e}"),
+        _claim("nothing", "not_run: {reason: no plan}"),
+    ]))
+    (results / "README.md").write_text("")
+    _run(claims, results, plans, "", "--date", "2026-12-01")
+    rows = {line.split("|")[1].strip(" `"): [c.strip() for c in line.split("|")[1:-1]]
+            for line in (results / "README.md").read_text().splitlines() if line.startswith("| `")}
+    verdicts = {k: v[7] for k, v in rows.items()}
+    assert verdicts == {"rep": "**reproduced**", "part": "**partly · not pre-registered**",
+                        "one": "**partly · not pre-registered**", "neg": "**not**",
+                        "empty": "**not run (plan empty, 0/3 seeds)**", "nothing": "**not run**"}
+    assert rows["rep"][5] == "3/3" and rows["one"][5] == "1/3" and rows["rep"][4] == "200"
+    low, high = 100 * rep["low"], 100 * rep["high"]
+    assert rows["rep"][6].startswith(f"[{low:+.1f}, {high:+.1f}]")
+    assert f"({100 * rep['difference']:+.1f})" in rows["rep"][3]
+    assert "Generated on 2026-12-01 by `python benchmarks/claims_table.py`" in (results / "README.md").read_text()
+
+
+def test_readme_block_is_replaced_and_links_point_into_docs(tmp_path):
+    plans, results, _ = _study(tmp_path)
+    (results / "a.md").write_text("doc")
+    (results / "a.json").write_text('{"rows": [{"arm": "w4", "u": 2, "accuracy": 0.35333}]}')
+    claims = tmp_path / "claims.yaml"
+    claims.write_text("claims:\n" + _claim("c", (
+        "legacy: {doc: a.md, number: '35.3 %', n: 300, seeds: 1, verdict: partly (1 seed), "
+        "check: [{json: a.json, path: [rows, {arm: w4, u: 2}, accuracy], value: 0.353}]}")).replace(
+        "  evidence:", "  readme: headline text\n  evidence:"))
+    readme = tmp_path / "README.md"
+    readme.write_text("# x\n## Results\n<!-- claims:begin -->\nold\n<!-- claims:end -->\n## Next\n")
+    _run(claims, results, plans, readme)
+    text = readme.read_text()
+    assert "old" not in text and text.endswith("<!-- claims:end -->\n## Next\n")
+    assert "- headline text: 35.3 % — **partly (1 seed)**, n = 300 ([a.md](docs/results/a.md))" in text
+    # a quoted number that drifted from its JSON is refused, naming the claim and the check
+    claims.write_text(claims.read_text().replace("value: 0.353", "value: 0.363"))
+    with pytest.raises(ClaimsError, match=r"claims.yaml:2: claim 'c': field 'evidence.legacy.check\[0\]'.*0.3533"):
+        _run(claims, results, plans)
+    readme.write_text("no markers\n")
+    claims.write_text(claims.read_text().replace("value: 0.363", "value: 0.353"))
+    with pytest.raises(ClaimsError, match="no <!-- claims:begin -->"):
+        _run(claims, results, plans, readme)
+
+
+@pytest.mark.parametrize("claim, field", [
+    (_claim("x", "not_run: {reason: r}").replace("  statement: s\n", ""), "'statement' is missing"),
+    (_claim("x", "study: {plan: toy, arm_a: better, eval: e}"), "'evidence.study.arm_b' is missing"),
+    (_claim("x", "study: {plan: toy, arm_a: better, arm_b: nope, eval: e}"), "'evidence.study.arm_b' 'nope' is not"),
+    (_claim("x", "study: {plan: toy, arm_a: better, arm_b: b, eval: e, expect: lower}"), "'evidence.study.expect'"),
+    (_claim("x", "study: {plan: toy, arm_a: better, arm_b: b, eval: e, expect: not_lower}"),
+     "'evidence.study.margin'"),
+    (_claim("x", "legacy: {doc: a.md, number: '1', n: 3, seeds: 1, verdict: reproduced}"),
+     "'evidence.legacy.verdict' says reproduced"),
+    (_claim("x", "legacy: {doc: a.md, number: '1', n: 3, seeds: 1, verdict: maybe}"), "'evidence.legacy.verdict'"),
+    (_claim("x", "legacy: {doc: missing.md, number: '1', n: 3, seeds: 1, verdict: not (1 seed)}"),
+     "'evidence.legacy.doc' names missing.md"),
+    (_claim("x", "not_run: {reason: r}\n    legacy: {doc: a.md}"), "'evidence.not_run' cannot stand beside"),
+    (_claim("x", "not_run: {reason: r}").replace("paper: PUMBA", "paper: TESS"), "'paper' must be one of"),
+    (_claim("x", "not_run: {reason: r}") + _claim("x", "not_run: {reason: r}"), "'id' 'x' is already used"),
+    (_claim("x", "not_run: {reason: r}").replace("  section", "  sektion: 1\n  section"),
+     "unknown field(s) ['sektion']"),
+    ("- id: [x\n", "not valid YAML"),
+])
+def test_malformed_claims_give_one_line_naming_the_field(tmp_path, claim, field):
+    plans, results, _ = _study(tmp_path)
+    (results / "a.md").write_text("doc")
+    claims = tmp_path / "claims.yaml"
+    claims.write_text("claims:\n" + claim)
+    with pytest.raises(ClaimsError) as e:
+        _run(claims, results, plans)
+    msg = str(e.value)
+    assert field in msg and "claims.yaml" in msg and "\n" not in msg
+
+
+def test_cli_prints_one_error_line(tmp_path):
+    claims = tmp_path / "claims.yaml"
+    claims.write_text("claims:\n" + _claim("x", "study: {plan: toy, arm_a: a, eval: e}"))
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/claims_table.py"), "--claims", str(claims),
+                           "--readme", ""], capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and "'evidence.study.arm_b' is missing" in proc.stderr
+
+
+def test_shipped_claims_quote_their_json(tmp_path):
+    """docs/results/claims.yaml: every legacy doc exists and every quoted number equals its JSON; nothing is called
+    reproduced without a study; study references name arms and evals of their plans where a plan exists."""
+    data = claims_table.load_claims(ROOT / "docs/results/claims.yaml")
+    rows = claims_table.build_rows(data, ROOT / "docs/results", ROOT / "benchmarks/plans")
+    assert len(rows) == len(data["claims"]) >= 30
+    assert {r["paper"] for r in rows} == {"PUMBA", "TESS 2"}
+    for c in data["claims"]:
+        leg = c["evidence"].get("legacy")
+        assert leg is None or claims_table.verdict_kind(leg["verdict"]) != "reproduced"
+    for o in data["other"]:
+        assert (ROOT / "docs/results" / o["doc"]).is_file(), o["doc"]
+    headlines = [r for r in rows if r["readme"]]
+    assert any("same 1,000 updates" in r["readme"] for r in headlines)  # speed against an AR with equal updates
+    assert all(r["kind"] in claims_table.VERDICTS for r in rows)
