@@ -245,11 +245,15 @@ def study_evidence(ref: dict, results: Path, plans: Path, where: str) -> dict:
         except (StudyError, DlmError) as e:
             raise ClaimsError(f"{where}: {e}") from None
     comparisons = (plan.settings or {}).get("comparisons")
-    if isinstance(comparisons, list):
-        pair = {(c.get("a"), c.get("b"), c.get("eval"), c.get("eval_b") or c.get("eval"))
-                for c in comparisons if isinstance(c, dict)}
-        out["preregistered"] = ((ref["arm_a"], ref["arm_b"], ref["eval"], key_b) in pair
-                                or (ref["arm_b"], ref["arm_a"], ref["eval"], key_b) in pair)
+    if isinstance(comparisons, list):  # {a, b, eval[, eval_b]} mappings, or [a, b] pairs that hold for every eval
+        planned_pairs = set()
+        for c in comparisons:
+            if isinstance(c, dict):
+                planned_pairs.add((c.get("a"), c.get("b"), c.get("eval"), c.get("eval_b") or c.get("eval")))
+            elif isinstance(c, list) and len(c) == 2:
+                planned_pairs.update((c[0], c[1], k, k) for k in plan.evals)
+        out["preregistered"] = any(p in planned_pairs for p in ((ref["arm_a"], ref["arm_b"], ref["eval"], key_b),
+                                                                (ref["arm_b"], ref["arm_a"], ref["eval"], key_b)))
     return out
 
 
@@ -383,7 +387,7 @@ def render_readme_section(rows: list[dict]) -> str:
              f"Every claim of the two papers that dlm measures, with dlm's number, n, seeds, CI and a verdict, is in "
              f"[docs/results/README.md](docs/results/README.md) ({len(rows)} claims: {counts['reproduced']} "
              f"reproduced, {counts['partly']} partly, {counts['not']} not, {counts['not run']} not run). "
-             "Headlines (tinymath, 3.6–3.7 M-parameter models on CPU):"]
+             "Headlines (tinymath and Shakespeare, 3.6–3.9 M-parameter models on CPU):"]
     for r in rows:
         if not r["readme"]:
             continue

@@ -24,13 +24,13 @@ settings: {comparisons: [{a: better, b: b, eval: e}, {a: worse, b: b, eval: e}]}
 """
 
 
-def _study(tmp_path):
+def _study(tmp_path, plan=PLAN):
     """A 3-seed table (n=200 per cell): 'better' solves every problem b solves plus half of the rest; 'slightly' is b
     with three problems gained and two lost; 'worse' loses half of b's. Eval 'one-seed' has seed 0 only."""
     plans, results = tmp_path / "plans", tmp_path / "results"
     plans.mkdir()
     results.mkdir()
-    (plans / "toy.yaml").write_text(PLAN)
+    (plans / "toy.yaml").write_text(plan)
     (plans / "empty.yaml").write_text(PLAN.replace("name: toy", "name: empty"))
     table = StudyTable(results / "toy.json", Plan.load(plans / "toy.yaml"))
     rng = np.random.default_rng(0)
@@ -97,6 +97,19 @@ def test_verdicts_from_synthetic_study_tables(tmp_path):
     assert rows["rep"][6].startswith(f"[{low:+.1f}, {high:+.1f}]")
     assert f"({100 * rep['difference']:+.1f})" in rows["rep"][3]
     assert "Generated on 2026-12-01 by `python benchmarks/claims_table.py`" in (results / "README.md").read_text()
+
+
+def test_comparisons_listed_as_pairs_count_as_preregistered(tmp_path):
+    """Plans may list comparisons as [a, b] pairs (every evaluation), as the TESS 2 driver's do."""
+    plans, results, _ = _study(tmp_path, PLAN.replace("settings: {comparisons: [{a: better, b: b, eval: e}, "
+                                                      "{a: worse, b: b, eval: e}]}",
+                                                      "settings: {comparisons: [[b, better]]}"))
+    claims = tmp_path / "claims.yaml"
+    claims.write_text("claims:\n" + _claim("listed", "study: {plan: toy, arm_a: better, arm_b: b, eval: one-seed}")
+                      + _claim("unlisted", "study: {plan: toy, arm_a: worse, arm_b: b, eval: e}"))
+    _run(claims, results, plans)
+    text = (results / "README.md").read_text()
+    assert "| **partly** |" in text and "| **not · not pre-registered** |" in text
 
 
 def test_readme_block_is_replaced_and_links_point_into_docs(tmp_path):
