@@ -325,10 +325,13 @@ def build_rows(data: dict, results: Path, plans: Path) -> list[dict]:
                            f"{_pct(r['accuracy_b'], r['sd_b'])} % ({100 * r['difference']:+.1f})"
                            + ("" if ref.get("eval_b") else f", {ref['eval']}"),
                 n=str(r["n"]), seeds=f"{st['done']}/{st['planned']}",
-                ci=f"[{100 * r['low']:+.1f}, {100 * r['high']:+.1f}], p = {r['p_value']:.2g}",
+                ci=f"[{100 * r['low']:+.1f}, {100 * r['high']:+.1f}], p = {r['p_value']:#.2g}",
                 verdict_text=" · ".join([v, *extra]), link=plan_link, kind=v,
-                note=(f"expect: not worse than {ref['arm_b']} by more than {ref['margin']} points"
-                      if ref["expect"] == "not_lower" else None))
+                note="; ".join(x for x in (
+                    f"claim: {ref['arm_a']} not worse than {ref['arm_b']} by more than {ref['margin']} points"
+                    if ref["expect"] == "not_lower" else None,
+                    f"earlier one-seed measurement ({ev['legacy']['doc']}): {ev['legacy']['number']}"
+                    if "legacy" in ev else None) if x) or None)
         elif "legacy" in ev:
             leg = ev["legacy"]
             row.update(dlm_number=leg["number"], n=str(leg["n"]), seeds=str(leg["seeds"]), ci=leg.get("ci") or "—",
