@@ -4,6 +4,7 @@ docs/results/tess2-medium.md (medium, a pre-registered 3-seed study; issue 17).
 Sections of the easy study: each merges its result into --json under --key, so the doc's JSON is written by this
 script alone (the doc lists the exact commands):
 
+    init       the adaptation's starting point saved before any update (AR weights as a simplex model, or fresh)
     loss       held-out diffusion loss under identical noise, per masking (response, each UL2 strategy)
     steps      accuracy vs inference steps (TESS 2 §5.1), with every problem's outcome
     guidance   reward and accuracy vs η (§4.4), with every problem's outcome
@@ -142,7 +143,8 @@ def intrinsic_section(models, args) -> dict:
     if not args.reference_model:
         raise DlmError("intrinsic: pass --reference-model (a held-out AR model directory)")
     return run_intrinsic(models, args.data, args.reference_model, parse_settings({"inference_steps": args.steps}),
-                         n=args.n, batch_size=args.batch_size, max_new_tokens=args.gen_length)
+                         n=args.n, batch_size=args.batch_size, max_new_tokens=args.gen_length,
+                         with_mauve=not args.no_mauve)
 
 
 def test_eval_section(runs) -> dict:
@@ -153,6 +155,22 @@ def test_eval_section(runs) -> dict:
             raise DlmError(f"{run}: no eval.json (a finished `dlm train` run writes one); pass training run dirs")
         out[run.name] = json.loads((run / "eval.json").read_text())
     return out
+
+
+def init_section(out: str, overrides: list[str]) -> dict:
+    """Save the adaptation recipe's starting point (before any update): the AR weights as a simplex model
+    (`model.init_from=AR`) or a fresh one (`model.init_from=null`, `model.tokenizer=AR`), for the loss section."""
+    from dlm.config import load_recipe
+    from dlm.data.tokenizer import load_tokenizer
+    from dlm.modeling.build import save_model
+    from dlm.training.loop import build_model
+
+    recipe = load_recipe("recipes/tinymath/tess2-adapt.yaml", overrides)
+    tok = load_tokenizer(recipe.model.init_from or recipe.model.tokenizer)
+    torch.manual_seed(recipe.train.seed)
+    save_model(build_model(recipe, tok), out)
+    tok.save_pretrained(out)
+    return {"model": out, "recipe": "recipes/tinymath/tess2-adapt.yaml", "set": overrides}
 
 
 def merge_json(path: str | Path, key: str, value) -> None:
@@ -440,8 +458,8 @@ def write_between_markers(doc: str | Path, lines: list[str]) -> None:
 # ---- command line ---------------------------------------------------------------------------------------------------
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("section", choices=["loss", "steps", "guidance", "speed", "intrinsic", "test-eval", "study",
-                                        "report"])
+    ap.add_argument("section", choices=["init", "loss", "steps", "guidance", "speed", "intrinsic", "test-eval",
+                                        "study", "report"])
     ap.add_argument("model", nargs="*", help="simplex model (run or model dir); several for loss, intrinsic, "
                     "test-eval (training run dirs)")
     ap.add_argument("--data")
@@ -455,7 +473,9 @@ def main(argv=None) -> None:
     ap.add_argument("--guidance-steps", type=int, default=1)
     ap.add_argument("--ar", help="speed: AR baseline of the same size")
     ap.add_argument("--reference-model", help="intrinsic: held-out AR model")
+    ap.add_argument("--no-mauve", action="store_true", help="intrinsic: skip MAUVE")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--set", action="append", default=[], help="init: recipe override (repeatable), a.b=c")
     ap.add_argument("--json", help="the results JSON: sections merge into it under --key; study/report: the table")
     ap.add_argument("--key", help="the section's key in --json (default: the section name)")
     ap.add_argument("--plan", help="study, report: the pre-registered plan (YAML)")
@@ -488,12 +508,18 @@ def run_section(args) -> None:
         command = (f"python benchmarks/tess2_tinymath.py report --plan {args.plan} --json {args.json} "
                    f"--doc {args.doc}" + (f" --plot {args.plot}" if args.plot else ""))
         lines = report_lines(plan, table, command)
-        plot_study(plan, table, plot)
-        write_between_markers(args.doc, [*lines, f"![accuracy vs steps and η]({plot.name})"])
+        if table.cells:
+            plot_study(plan, table, plot)
+            lines.append(f"![accuracy vs steps and η]({plot.name})")
+        write_between_markers(args.doc, lines)
         print(f"wrote {args.doc} and {plot}")
         return
     if args.section == "test-eval":
         out = test_eval_section(args.model)
+    elif args.section == "init":
+        if len(args.model) != 1:
+            raise DlmError("init: pass one output directory")
+        out = init_section(args.model[0], args.set)
     else:
         if not args.data or not args.model:
             raise DlmError(f"{args.section}: pass the model(s) and --data")

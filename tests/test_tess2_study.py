@@ -163,3 +163,33 @@ def test_levels_json_has_per_problem_outcomes_and_regenerates_the_table(study, t
     doc.write_text(first.replace("| easy |", "| edited |"))
     tinymath_levels.main(["--json", str(out), "--doc", str(doc)])  # from the JSON alone
     assert doc.read_text() == first
+
+
+def test_easy_study_sections_merge_into_one_json(study, tmp_path):
+    """Every section of the easy doc writes its own key of one JSON (no hand assembly); steps and guidance keep every
+    problem's outcome."""
+    import tess2_tinymath
+
+    runs, out = study["tmp"] / "runs", tmp_path / "easy.json"
+    data = str(runs / "ar" / "data" / "test.jsonl")
+    common = ["--data", data, "--n", "3", "--gen-length", "16", "--json", str(out)]
+    tess2_tinymath.main(["init", str(tmp_path / "ar-as-simplex"), "--set", f"model.init_from={runs / 'ar' / 'model'}",
+                         "--set", "model.max_length=160", "--json", str(out), "--key", "init-ar"])
+    tess2_tinymath.main(["loss", str(tmp_path / "ar-as-simplex"), str(runs / "adapt"), *common, "--key", "loss-adapt"])
+    tess2_tinymath.main(["steps", str(runs / "sft-seed0"), *common, "--values", "2,4", "--key", "steps-sft"])
+    tess2_tinymath.main(["guidance", str(runs / "sft-seed0"), *common, "--values", "0,1", "--steps", "2",
+                         "--reward-model", str(runs / "reward")])
+    tess2_tinymath.main(["intrinsic", str(runs / "sft-seed0"), *common, "--steps", "2", "--no-mauve",
+                         "--reference-model", str(runs / "ar")])
+    tess2_tinymath.main(["test-eval", str(runs / "adapt"), str(runs / "reward"), "--json", str(out), "--key",
+                         "test_eval"])
+    result = json.loads(out.read_text())
+    assert list(result) == ["init-ar", "loss-adapt", "steps-sft", "guidance", "intrinsic", "test_eval"]
+    assert [r["model"] for r in result["loss-adapt"]["result"]] == [str(tmp_path / "ar-as-simplex"), str(runs / "adapt")]
+    steps = result["steps-sft"]["result"]
+    assert [r["inference_steps"] for r in steps] == [2, 4] and all(len(r["correct"]) == 3 for r in steps)
+    assert all(r["accuracy"] == sum(r["correct"]) / 3 for r in steps + result["guidance"]["result"])
+    assert [r["eta"] for r in result["guidance"]["result"]] == [0.0, 1.0]
+    assert [r["model"] for r in result["intrinsic"]["rows"]] == ["references", str(runs / "sft-seed0")]
+    assert set(result["test_eval"]) == {"adapt", "reward"}
+    assert result["test_eval"]["adapt"] == json.loads((runs / "adapt" / "eval.json").read_text())
