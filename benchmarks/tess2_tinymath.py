@@ -512,7 +512,7 @@ def run_section(args) -> None:
             plot_study(plan, table, plot)
             lines.append(f"![accuracy vs steps and η]({plot.name})")
         write_between_markers(args.doc, lines)
-        print(f"wrote {args.doc} and {plot}")
+        print(f"wrote {args.doc}" + (f" and {plot}" if table.cells else " (no cells yet: no plot)"))
         return
     if args.section == "test-eval":
         out = test_eval_section(args.model)

@@ -156,7 +156,8 @@ def main(argv=None) -> None:
     try:
         table = collect(a.runs, a.json) if a.runs else load_table(a.json)
         png = a.doc.with_suffix(".png")
-        command = f"python benchmarks/tinymath_levels.py --json {os.path.relpath(a.json)} --doc {os.path.relpath(a.doc)}"
+        command = (f"python benchmarks/tinymath_levels.py --json {os.path.relpath(a.json)} "
+                   f"--doc {os.path.relpath(a.doc)}")
         plot(table, png)
         write_between_markers(a.doc, report_lines(table, png.name, command))
     except DlmError as e:

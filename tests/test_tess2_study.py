@@ -185,7 +185,8 @@ def test_easy_study_sections_merge_into_one_json(study, tmp_path):
                          "test_eval"])
     result = json.loads(out.read_text())
     assert list(result) == ["init-ar", "loss-adapt", "steps-sft", "guidance", "intrinsic", "test_eval"]
-    assert [r["model"] for r in result["loss-adapt"]["result"]] == [str(tmp_path / "ar-as-simplex"), str(runs / "adapt")]
+    loss = result["loss-adapt"]["result"]
+    assert [r["model"] for r in loss] == [str(tmp_path / "ar-as-simplex"), str(runs / "adapt")]
     steps = result["steps-sft"]["result"]
     assert [r["inference_steps"] for r in steps] == [2, 4] and all(len(r["correct"]) == 3 for r in steps)
     assert all(r["accuracy"] == sum(r["correct"]) / 3 for r in steps + result["guidance"]["result"])
