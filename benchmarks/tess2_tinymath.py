@@ -431,11 +431,20 @@ def plot_study(plan: Plan, table: StudyTable, path: str | Path) -> None:
             if pts:
                 ax.errorbar([x for x, _ in pts], [100 * m["mean"] for _, m in pts],
                             yerr=[100 * (m["sd"] or 0) for _, m in pts], marker="o", capsize=3, label=key)
+        for a in [a for a in plan.arms if set(s["arm_settings"][a]) == {"model"}]:  # e.g. the AR parent: a line
+            m = table.summary(a, key)["mean"]
+            if m is not None:
+                for ax in (ax1, ax2):
+                    ax.axhline(100 * m, ls="--", lw=1, color="gray")
+                    ax.annotate(f"{a} ({key})", (0.01, 100 * m), xycoords=("axes fraction", "data"), fontsize=7)
     ax1.set(xscale="log", xlabel="inference steps (argmax projection)", ylabel="accuracy (%)",
             title="accuracy vs inference steps")
-    ax2.set(xscale="symlog", xlabel="guidance scale η (0 = no guidance)", ylabel="accuracy (%)",
+    ax2.set_xscale("symlog", linthresh=0.1)
+    steps = sorted({s["arm_settings"][a].get("inference_steps") for a in guided} - {None})
+    ax2.set(xlabel=f"guidance scale η (0 = no guidance; steps {', '.join(map(str, steps))})", ylabel="accuracy (%)",
             title="reward guidance")
     for ax in (ax1, ax2):
+        ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         if ax.lines:
             ax.legend()

@@ -194,3 +194,13 @@ def test_easy_study_sections_merge_into_one_json(study, tmp_path):
     assert [r["model"] for r in result["intrinsic"]["rows"]] == ["references", str(runs / "sft-seed0")]
     assert set(result["test_eval"]) == {"adapt", "reward"}
     assert result["test_eval"]["adapt"] == json.loads((runs / "adapt" / "eval.json").read_text())
+
+
+def test_max_minutes_stops_resumably_before_the_next_cell(study, tmp_path, capsys):
+    import tess2_tinymath
+
+    table = tmp_path / "t.json"
+    tess2_tinymath.main(["study", "--plan", str(study["plan"]), "--json", str(table), "--max-minutes", "1e-9"])
+    out = capsys.readouterr().out
+    assert "--max-minutes reached; the next call resumes here" in out and "0 cells added; 14 planned cells" in out
+    assert not table.exists()
