@@ -394,9 +394,11 @@ def report_lines(plan: Plan, table: StudyTable, command: str) -> list[str]:
 
 def _compare(table: StudyTable, a: str, b: str, key: str) -> str:
     try:
-        return format_seed_comparison(table.compare(a, b, key))
+        line = format_seed_comparison(table.compare(a, b, key))
     except StudyError:
         return "not run yet (no seed has both)"
+    nfe_a, nfe_b = table.summary(a, key)["mean_nfe"], table.summary(b, key)["mean_nfe"]
+    return f"{line}; mean NFE {nfe_a:.1f} vs {nfe_b:.1f}"
 
 
 def _best_guided(plan: Plan, table: StudyTable, key: str):
@@ -487,6 +489,7 @@ def main(argv=None) -> None:
     ap.add_argument("--set", action="append", default=[], help="init: recipe override (repeatable), a.b=c")
     ap.add_argument("--json", help="the results JSON: sections merge into it under --key; study/report: the table")
     ap.add_argument("--key", help="the section's key in --json (default: the section name)")
+    ap.add_argument("--out", help="also write the section's result alone to this file (as tess2-shakespeare.md does)")
     ap.add_argument("--plan", help="study, report: the pre-registered plan (YAML)")
     ap.add_argument("--max-minutes", type=float, help="study: stop (resumably) after this wall time")
     ap.add_argument("--doc", help="report: the results doc whose study markers are rewritten")
@@ -551,6 +554,9 @@ def run_section(args) -> None:
     if args.json:
         merge_json(args.json, args.key or args.section, out)
         print(f"{args.json}: wrote {args.key or args.section}")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -125,7 +125,7 @@ def test_report_regenerates_only_the_marked_part(study):
     mean = 100 * sum(x["accuracy"] for x in c) / 2
     assert f"| steps-4 | sft | inference_steps=4 | {mean:.1f} ± " in text
     assert text.count("- steps-4 vs steps-2: ") == 1 and text.count("- steps-2 vs ar: ") == 2  # test; test, unseen
-    assert "(n=3, 2 seeds)" in text
+    assert "(n=3, 2 seeds)" in text and "; mean NFE 4.0 vs 2.0" in text
     assert "chosen after the fact" in text  # the best η vs η = 0 line is marked post hoc
     assert study["doc"].with_suffix(".png").stat().st_size > 10_000
     with pytest.raises(SystemExit, match="no '<!-- study:begin -->'"):
@@ -175,7 +175,8 @@ def test_easy_study_sections_merge_into_one_json(study, tmp_path):
     common = ["--data", data, "--n", "3", "--gen-length", "16", "--json", str(out)]
     tess2_tinymath.main(["init", str(tmp_path / "ar-as-simplex"), "--set", f"model.init_from={runs / 'ar' / 'model'}",
                          "--set", "model.max_length=160", "--json", str(out), "--key", "init-ar"])
-    tess2_tinymath.main(["loss", str(tmp_path / "ar-as-simplex"), str(runs / "adapt"), *common, "--key", "loss-adapt"])
+    tess2_tinymath.main(["loss", str(tmp_path / "ar-as-simplex"), str(runs / "adapt"), *common, "--key", "loss-adapt",
+                         "--values", "0", "--out", str(tmp_path / "loss.json")])  # as tess2-shakespeare.md runs it
     tess2_tinymath.main(["steps", str(runs / "sft-seed0"), *common, "--values", "2,4", "--key", "steps-sft"])
     tess2_tinymath.main(["guidance", str(runs / "sft-seed0"), *common, "--values", "0,1", "--steps", "2",
                          "--reward-model", str(runs / "reward")])
@@ -185,6 +186,7 @@ def test_easy_study_sections_merge_into_one_json(study, tmp_path):
                          "test_eval"])
     result = json.loads(out.read_text())
     assert list(result) == ["init-ar", "loss-adapt", "steps-sft", "guidance", "intrinsic", "test_eval"]
+    assert json.loads((tmp_path / "loss.json").read_text()) == result["loss-adapt"]
     loss = result["loss-adapt"]["result"]
     assert [r["model"] for r in loss] == [str(tmp_path / "ar-as-simplex"), str(runs / "adapt")]
     steps = result["steps-sft"]["result"]
