@@ -1,49 +1,68 @@
-"""TESS 2 on tinymath: the measurements behind docs/results/tess2-tinymath.md, one section per run.
+"""TESS 2 on tinymath: the measurements behind docs/results/tess2-tinymath.md (easy, one seed) and
+docs/results/tess2-medium.md (medium, a pre-registered 3-seed study; issue 17).
 
-    # (a) held-out diffusion loss under identical noise, per masking (response only, and each UL2 strategy)
-    python benchmarks/tess2_tinymath.py loss runs/tess2/adapt-ar runs/tess2/adapt-scratch \
-        --data runs/tess2/data/validation.jsonl --n 256 --values 0 --out runs/tess2/loss-adapt.json
-    # (b) accuracy vs inference steps (TESS 2 §5.1)
-    python benchmarks/tess2_tinymath.py steps runs/tess2/sft-ar --data runs/tess2/data/test.jsonl --n 100 \
-        --values 10,25,50,100,200,500 --out runs/tess2/steps.json
-    # (c) reward guidance: reward and accuracy vs η (§4.4)
-    python benchmarks/tess2_tinymath.py guidance runs/tess2/sft-ar --reward-model runs/tess2/reward --n 100 \
-        --data runs/tess2/data/test.jsonl --values 0,0.1,0.25,0.5,1,2 --steps 25 --out runs/tess2/guidance.json
-    # (d) sampling time, simplex vs AR with KV cache, same size and output length, in one process (App. E)
-    python benchmarks/tess2_tinymath.py speed runs/tess2/sft-ar --ar runs/tess2/ar-model --n 100 \
-        --data runs/tess2/data/test.jsonl --values 25,100 --out runs/tess2/speed.json
+Sections of the easy study: each merges its result into --json under --key, so the doc's JSON is written by this
+script alone (the doc lists the exact commands):
+
+    init       the adaptation's starting point saved before any update (AR weights as a simplex model, or fresh)
+    loss       held-out diffusion loss under identical noise, per masking (response, each UL2 strategy)
+    steps      accuracy vs inference steps (TESS 2 §5.1), with every problem's outcome
+    guidance   reward and accuracy vs η (§4.4), with every problem's outcome
+    speed      sampling time, simplex vs AR with a KV cache, same size and output length (App. E)
+    intrinsic  perplexity under a held-out model, dist-n, entropy, MAUVE (§4.1; as `dlm eval --metric intrinsic`)
+    test-eval  each training run's own end-of-training test evaluation (its eval.json)
+
+The medium study: `study` trains what its plan names (the AR parent, UL2 adaptation, reward model once; SFT once per
+seed) and evaluates every missing (arm, seed, eval) cell through a StudyTable, seed-major, until done or --max-minutes;
+`report` regenerates the numbers between the doc's `<!-- study:begin -->` / `<!-- study:end -->` markers and the plot.
+
+    python benchmarks/tess2_tinymath.py study --plan benchmarks/plans/tess2-medium.yaml \\
+        --json docs/results/tess2-medium.json --max-minutes 150
+    python benchmarks/tess2_tinymath.py report --plan benchmarks/plans/tess2-medium.yaml \\
+        --json docs/results/tess2-medium.json --doc docs/results/tess2-medium.md
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
+from pathlib import Path
 
 import torch
 
 from dlm.data.sources import read_jsonl
 from dlm.data.tokenizer import encode_pair
+from dlm.errors import DlmError
 from dlm.evaluation.reward import score_texts
+from dlm.evaluation.stats import format_seed_comparison
+from dlm.evaluation.study import Plan, StudyError, StudyTable, fingerprint, problems_digest
 from dlm.evaluation.tasks import evaluate
 from dlm.sampling import SimplexOptions, generate, load_for_inference
 from dlm.sampling.guidance import resolve_reward_model
+from dlm.sampling.options import parse_options
+
+BEGIN, END = "<!-- study:begin -->", "<!-- study:end -->"
 
 
+# ---- the easy study's sections -------------------------------------------------------------------------------------
 def steps_section(model, tok, records, values, args) -> list[dict]:
     rows = []
     for steps in values:
         options = SimplexOptions(inference_steps=int(steps), early_stop_patience=args.early_stop)
         r = evaluate(model, tok, records, options, batch_size=args.batch_size, max_new_tokens=args.gen_length)
         rows.append({"inference_steps": int(steps), "early_stop_patience": args.early_stop,
-                     **{k: r[k] for k in ("accuracy", "mean_nfe", "ms_per_problem")}})
-        print(json.dumps(rows[-1]), flush=True)
+                     **{k: r[k] for k in ("accuracy", "mean_nfe", "ms_per_problem")},
+                     "correct": [int(s["correct"]) for s in r["samples"]]})
+        print(json.dumps({k: v for k, v in rows[-1].items() if k != "correct"}), flush=True)
     return rows
 
 
 def guidance_section(model, tok, records, values, args) -> list[dict]:
     rm = resolve_reward_model(args.reward_model)  # the one the sampler guides with (loaded once per process)
     prompts = [r["prompt"] for r in records]
+    refs = score_texts(rm, tok, prompts, [x["response"] for x in records], args.batch_size)
     rows = []
     for eta in values:
         options = SimplexOptions(inference_steps=args.steps, reward_model=args.reward_model, guidance_scale=float(eta),
@@ -51,11 +70,11 @@ def guidance_section(model, tok, records, values, args) -> list[dict]:
         r = evaluate(model, tok, records, options, batch_size=args.batch_size, max_new_tokens=args.gen_length)
         texts = [s["generation"] for s in r["samples"]]
         rewards = score_texts(rm, tok, prompts, texts, args.batch_size)
-        refs = score_texts(rm, tok, prompts, [x["response"] for x in records], args.batch_size)
         rows.append({"eta": float(eta), "inference_steps": args.steps, "accuracy": r["accuracy"],
                      "mean_reward": sum(rewards) / len(rewards), "reference_reward": sum(refs) / len(refs),
-                     "ms_per_problem": r["ms_per_problem"], "examples": texts[:3]})
-        print(json.dumps({k: v for k, v in rows[-1].items() if k != "examples"}), flush=True)
+                     "ms_per_problem": r["ms_per_problem"], "correct": [int(s["correct"]) for s in r["samples"]],
+                     "examples": texts[:3]})
+        print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("examples", "correct")}), flush=True)
     return rows
 
 
@@ -116,38 +135,428 @@ def loss_section(models, records, args) -> list[dict]:
     return rows
 
 
-def main() -> None:
+def intrinsic_section(models, args) -> dict:
+    """`dlm eval MODELS --metric intrinsic --reference-model R --steps S --max-new-tokens G`, as a section."""
+    from dlm.evaluation.intrinsic import run_intrinsic
+    from dlm.sampling.options import parse_settings
+
+    if not args.reference_model:
+        raise DlmError("intrinsic: pass --reference-model (a held-out AR model directory)")
+    return run_intrinsic(models, args.data, args.reference_model, parse_settings({"inference_steps": args.steps}),
+                         n=args.n, batch_size=args.batch_size, max_new_tokens=args.gen_length,
+                         with_mauve=not args.no_mauve)
+
+
+def test_eval_section(runs) -> dict:
+    """Each training run's end-of-training test evaluation (run_dir/eval.json), keyed by the run's directory name."""
+    out = {}
+    for run in map(Path, runs):
+        if not (run / "eval.json").is_file():
+            raise DlmError(f"{run}: no eval.json (a finished `dlm train` run writes one); pass training run dirs")
+        out[run.name] = json.loads((run / "eval.json").read_text())
+    return out
+
+
+def init_section(out: str, overrides: list[str]) -> dict:
+    """Save the adaptation recipe's starting point (before any update): the AR weights as a simplex model
+    (`model.init_from=AR`) or a fresh one (`model.init_from=null`, `model.tokenizer=AR`), for the loss section."""
+    from dlm.config import load_recipe
+    from dlm.data.tokenizer import load_tokenizer
+    from dlm.modeling.build import save_model
+    from dlm.training.loop import build_model
+
+    recipe = load_recipe("recipes/tinymath/tess2-adapt.yaml", overrides)
+    tok = load_tokenizer(recipe.model.init_from or recipe.model.tokenizer)
+    torch.manual_seed(recipe.train.seed)
+    save_model(build_model(recipe, tok), out)
+    tok.save_pretrained(out)
+    return {"model": out, "recipe": "recipes/tinymath/tess2-adapt.yaml", "set": overrides}
+
+
+def merge_json(path: str | Path, key: str, value) -> None:
+    """Put `value` under `key` in the JSON object at `path` (created if missing), rewritten atomically."""
+    path = Path(path)
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    data[key] = value
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+# ---- the pre-registered study --------------------------------------------------------------------------------------
+class Study:
+    """A plan's models (trained on first use, fingerprints pinned in the table) and its cells.
+
+    settings: data_dir, runs_dir, n, max_new_tokens, batch_size, eval_files {eval: jsonl in data_dir},
+    train {model: {recipe, set, seed (an integer, or `study` = one model per study seed), init_from, out_dir}},
+    eval_arms {eval: [arms]} (an evaluation run on some arms only), arm_settings {arm: {model, sampler options;
+    reward_model names a trained model}}, reward_scorer (a trained reward model scoring every simplex cell's outputs),
+    guidance_baseline (the η = 0 arm), comparisons [[arm a, arm b], ...]."""
+
+    def __init__(self, plan: Plan, table: StudyTable, deadline: float | None = None, train_fn=None):
+        self.plan, self.table, self.s, self.deadline = plan, table, plan.settings, deadline
+        self.train_fn = train_fn or _train
+        self.models: dict[tuple[str, int], Path] = {}
+        self.records: dict[str, list[dict] | None] = {}
+        check_plan(plan)
+
+    def out_of_time(self) -> bool:
+        return self.deadline is not None and time.time() > self.deadline
+
+    def model(self, name: str, seed: int) -> Path:
+        """The trained model `name` for study seed `seed`, trained now if missing (OutOfTime at --max-minutes)."""
+        from dlm.config import load_recipe
+
+        entry = self.s["train"][name]
+        per_seed = entry.get("seed") == "study"
+        key = (name, seed if per_seed else -1)
+        if key in self.models:
+            return self.models[key]
+        run = Path(entry.get("out_dir") or Path(self.s["runs_dir"]) / name)
+        if per_seed:
+            run = run.with_name(f"{run.name}-seed{seed}")
+        overrides = [*entry.get("set", []), f"out_dir={run}", f"data.dir={self.s['data_dir']}",
+                     f"train.seed={seed if per_seed else int(entry.get('seed', 0))}"]
+        if entry.get("init_from"):
+            overrides.append(f"model.init_from={self.model(entry['init_from'], seed)}")
+        recipe = load_recipe(entry["recipe"], overrides)
+        if not _complete(run, recipe.train.steps):
+            if self.out_of_time():
+                raise OutOfTime
+            if self.deadline is not None:
+                recipe = load_recipe(entry["recipe"], [*overrides, "train.max_minutes="
+                                                       f"{max((self.deadline - time.time()) / 60, 0.01):.3f}"])
+            print(f"== training {run} ==\n   dlm train {entry['recipe']} " + " ".join(f"--set {o}" for o in overrides),
+                  flush=True)
+            self.train_fn(recipe, resume=(run / "checkpoints" / "latest").exists())
+            if not _complete(run, recipe.train.steps):
+                raise OutOfTime  # stopped by --max-minutes: resumes from its checkpoint next time
+        model_dir = run / "model"
+        self.table.pin(name if not per_seed else f"{name}/seed{seed}", fingerprint(model_dir))
+        self.models[key] = model_dir
+        return model_dir
+
+    def problems(self, key: str) -> list[dict] | None:
+        if key not in self.records:
+            path = Path(self.s["data_dir"]) / self.s["eval_files"][key]
+            self.records[key] = read_jsonl(path, required=("prompt", "response"))[: self.s["n"]] \
+                if path.is_file() else None
+            if self.records[key] is None:
+                print(f"{path}: not found; cells of evaluation {key!r} stay missing until it exists", flush=True)
+        return self.records[key]
+
+    def run(self) -> int:
+        """Evaluate every missing cell (seed-major); returns how many were added."""
+        added, loaded = 0, {}
+        for arm, seed, key in self.table.missing():
+            if arm not in planned_arms(self.plan, key):
+                continue
+            if self.out_of_time():
+                print("--max-minutes reached; the next call resumes here", flush=True)
+                break
+            spec = dict(self.s["arm_settings"][arm])
+            try:  # models first: the first training writes the data directory
+                model_dir = self.model(spec.pop("model"), seed)
+                if "reward_model" in spec:
+                    spec["reward_model"] = self.model(spec["reward_model"], seed)
+                scorer = self.model(self.s["reward_scorer"], seed) if self.s.get("reward_scorer") else None
+            except OutOfTime:
+                print("--max-minutes reached while training; the next call resumes it", flush=True)
+                break
+            records = self.problems(key)
+            if records is None:
+                continue
+            if model_dir not in loaded:
+                loaded = {model_dir: load_for_inference(model_dir)}  # one model in memory at a time
+            model, tok = loaded[model_dir]
+            options = parse_options(model.spec.family, {k: str(v) if isinstance(v, Path) else v
+                                                        for k, v in spec.items()})
+            r = evaluate(model, tok, records, options, batch_size=self.s.get("batch_size", 50),
+                         max_new_tokens=self.s["max_new_tokens"], seed=seed)
+            extra = {"model": str(model_dir), "options": options.model_dump(mode="json", exclude_unset=True)}
+            if scorer is not None and model.spec.family == "simplex":
+                rewards = score_texts(resolve_reward_model(scorer), tok, [x["prompt"] for x in records],
+                                      [s["generation"] for s in r["samples"]], self.s.get("batch_size", 50))
+                extra["mean_reward"] = sum(rewards) / len(rewards)
+            cell = self.table.add(arm, seed, key, r, problems=problems_digest(records), **extra)
+            added += 1
+            print(f"{arm:>14s} seed {seed} {key:>7s}: {100 * cell['accuracy']:5.1f} % (n={cell['n']}, "
+                  f"NFE {cell['mean_nfe']:.1f})", flush=True)
+        return added
+
+
+class OutOfTime(Exception):
+    """--max-minutes ran out before a model the next cell needs was trained."""
+
+
+def _train(recipe, resume: bool) -> None:
+    from dlm.training.loop import train
+
+    train(recipe, resume=resume, progress=False)
+
+
+def _complete(run: Path, steps: int) -> bool:
+    """A run that saved its model after all `steps` updates (not one stopped early by its time limit)."""
+    metrics = run / "metrics.jsonl"
+    if not ((run / "model" / "config.json").is_file() and metrics.is_file()):
+        return False
+    lines = metrics.read_text().splitlines()
+    return bool(lines) and json.loads(lines[-1])["step"] >= steps
+
+
+def planned_arms(plan: Plan, key: str) -> list[str]:
+    """The arms evaluated on `key`: all, unless settings.eval_arms names a subset."""
+    return list(plan.settings.get("eval_arms", {}).get(key, plan.arms))
+
+
+def check_plan(plan: Plan) -> None:
+    """Every setting the study reads is there and every name resolves; one line naming the field otherwise."""
+    s, src = plan.settings, plan.source
+    for name in ("data_dir", "runs_dir", "n", "max_new_tokens", "eval_files", "train", "arm_settings"):
+        if name not in s:
+            raise StudyError(f"{src}: settings.{name} is missing")
+    models = s["train"]
+    for name, entry in models.items():
+        if not isinstance(entry, dict) or "recipe" not in entry:
+            raise StudyError(f"{src}: settings.train.{name} needs a recipe (and optional set, seed, init_from)")
+        if entry.get("init_from") and entry["init_from"] not in models:
+            raise StudyError(f"{src}: settings.train.{name}.init_from {entry['init_from']!r} is not a model of "
+                             f"settings.train ({', '.join(models)})")
+    for key in plan.evals:
+        if key not in s["eval_files"]:
+            raise StudyError(f"{src}: settings.eval_files has no file for evaluation {key!r}")
+    for arm in plan.arms:
+        spec = s["arm_settings"].get(arm)
+        if not isinstance(spec, dict) or spec.get("model") not in models:
+            raise StudyError(f"{src}: settings.arm_settings.{arm} must name a model of settings.train "
+                             f"({', '.join(models)}) and its sampler options")
+        if spec.get("reward_model", next(iter(models))) not in models:
+            raise StudyError(f"{src}: settings.arm_settings.{arm}.reward_model must name a model of settings.train")
+    for key, arms in s.get("eval_arms", {}).items():
+        if key not in plan.evals or not isinstance(arms, list) or not set(arms) <= set(plan.arms):
+            raise StudyError(f"{src}: settings.eval_arms.{key} must map an evaluation of the plan to a list of its "
+                             f"arms, got {arms!r}")
+    for pair in s.get("comparisons", []):
+        if not (isinstance(pair, list) and len(pair) == 2 and all(a in plan.arms for a in pair)):
+            raise StudyError(f"{src}: settings.comparisons entry {pair!r} must be [arm, arm] of the plan's arms")
+    if s.get("reward_scorer") and s["reward_scorer"] not in models:
+        raise StudyError(f"{src}: settings.reward_scorer must name a model of settings.train")
+
+
+# ---- the report -----------------------------------------------------------------------------------------------------
+def _pct(summary: dict) -> str:
+    if summary["mean"] is None:
+        return "not run"
+    sd = f" ± {100 * summary['sd']:.1f}" if summary["sd"] is not None else ""
+    return f"{100 * summary['mean']:.1f}{sd} % ({' / '.join(f'{100 * a:.1f}' for a in summary['per_seed'])})"
+
+
+def _setting(spec: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in spec.items() if k != "model") or "defaults"
+
+
+def report_lines(plan: Plan, table: StudyTable, command: str) -> list[str]:
+    """The numbers part of the study's doc: per evaluation, accuracy mean ± sd over seeds of every arm, then the
+    plan's paired comparisons (and the best η against η = 0, marked as chosen after the fact)."""
+    s = plan.settings
+    done = len(table.cells)
+    total = sum(len(planned_arms(plan, key)) for key in plan.evals) * len(plan.seeds)
+    lines = [f"Plan `{plan.source}` (`{plan.name}`, digest `{plan.digest}`): {done} of {total} planned cells "
+             f"(arms × seeds {list(plan.seeds)} × evaluations {list(plan.evals)}); first {s['n']} problems of each "
+             "evaluation file. Accuracy is mean ± sd over seeds (per seed in brackets). Regenerate with:", "",
+             f"    {command}", ""]
+    if table.pins:
+        lines += ["Pinned weights (sha256 of the weight files, first 16 hex digits): "
+                  + ", ".join(f"{k} `{v}`" for k, v in table.pins.items()), ""]
+    for key in plan.evals:
+        lines += [f"### {key}", "", "| arm | model | setting | accuracy | mean NFE | ms / problem | mean reward |",
+                  "|---|---|---|---|---|---|---|"]
+        for arm in planned_arms(plan, key):
+            spec, summ = s["arm_settings"][arm], table.summary(arm, key)
+            cells = [c for c in table.cells if c["arm"] == arm and c["eval"] == key]
+            ms = f"{sum(c.get('ms_per_problem', 0) for c in cells) / len(cells):.0f}" if cells else "—"
+            rewards = [c["mean_reward"] for c in cells if "mean_reward" in c]
+            nfe = f"{summ['mean_nfe']:.1f}" if cells else "—"
+            lines.append(f"| {arm} | {spec['model']} | {_setting(spec)} | {_pct(summ)} | {nfe} | {ms} | "
+                         f"{f'{sum(rewards) / len(rewards):.3f}' if rewards else '—'} |")
+        lines += ["", "Paired comparisons (pre-registered; CI over problems of the seed-averaged difference):", ""]
+        for a, b in s.get("comparisons", []):
+            if {a, b} <= set(planned_arms(plan, key)):
+                lines.append(f"- {a} vs {b}: {_compare(table, a, b, key)}")
+        best = _best_guided(plan, table, key)
+        if best:
+            lines.append(f"- best η ({best[0]}) vs η = 0 ({best[1]}), **chosen after the fact** (the best of "
+                         f"{best[2]} η values, so its p-value is optimistic): {_compare(table, best[0], best[1], key)}")
+        lines.append("")
+    return lines
+
+
+def _compare(table: StudyTable, a: str, b: str, key: str) -> str:
+    try:
+        line = format_seed_comparison(table.compare(a, b, key))
+    except StudyError:
+        return "not run yet (no seed has both)"
+    nfe_a, nfe_b = table.summary(a, key)["mean_nfe"], table.summary(b, key)["mean_nfe"]
+    return f"{line}; mean NFE {nfe_a:.1f} vs {nfe_b:.1f}"
+
+
+def _best_guided(plan: Plan, table: StudyTable, key: str):
+    """(best guided arm by mean accuracy, its η = 0 arm, how many guided arms) or None."""
+    s = plan.settings
+    base = s.get("guidance_baseline")
+    guided = [a for a in planned_arms(plan, key) if "guidance_scale" in s["arm_settings"][a]]
+    scored = [(table.summary(a, key)["mean"], a) for a in guided if table.summary(a, key)["mean"] is not None]
+    if not (base and scored and table.summary(base, key)["mean"] is not None):
+        return None
+    return max(scored)[1], base, len(guided)
+
+
+def plot_study(plan: Plan, table: StudyTable, path: str | Path) -> None:
+    """Accuracy vs inference steps (argmax arms) and accuracy and reward vs η, mean ± sd over seeds, per evaluation."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    s = plan.settings
+    steps_arms = [a for a in plan.arms if set(s["arm_settings"][a]) == {"model", "inference_steps"}]
+    guided = [a for a in plan.arms if "guidance_scale" in s["arm_settings"][a]]
+    base = s.get("guidance_baseline")
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for key in plan.evals:
+        for ax, arms, x_of in ((ax1, steps_arms, lambda a: s["arm_settings"][a]["inference_steps"]),
+                               (ax2, ([base] if base else []) + guided,
+                                lambda a: s["arm_settings"][a].get("guidance_scale", 0.0))):
+            pts = [(x_of(a), table.summary(a, key)) for a in arms]
+            pts = sorted((x, m) for x, m in pts if m["mean"] is not None)
+            if pts:
+                ax.errorbar([x for x, _ in pts], [100 * m["mean"] for _, m in pts],
+                            yerr=[100 * (m["sd"] or 0) for _, m in pts], marker="o", capsize=3, label=key)
+        for a in [a for a in plan.arms if set(s["arm_settings"][a]) == {"model"}]:  # e.g. the AR parent: a line
+            m = table.summary(a, key)["mean"]
+            if m is not None:
+                for ax in (ax1, ax2):
+                    ax.axhline(100 * m, ls="--", lw=1, color="gray")
+                    ax.annotate(f"{a} ({key})", (0.01, 100 * m), xycoords=("axes fraction", "data"), fontsize=7)
+    ax1.set(xscale="log", xlabel="inference steps (argmax projection)", ylabel="accuracy (%)",
+            title="accuracy vs inference steps")
+    ax2.set_xscale("symlog", linthresh=0.1)
+    steps = sorted({s["arm_settings"][a].get("inference_steps") for a in guided} - {None})
+    ax2.set(xlabel=f"guidance scale η (0 = no guidance; steps {', '.join(map(str, steps))})", ylabel="accuracy (%)",
+            title="reward guidance")
+    for ax in (ax1, ax2):
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend()
+    fig.suptitle(f"{plan.name}: mean ± sd over seeds {list(plan.seeds)}, n = {s['n']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_between_markers(doc: str | Path, lines: list[str]) -> None:
+    """Replace what lies between the doc's study markers with `lines`; the rest of the doc is kept as written."""
+    doc = Path(doc)
+    text = doc.read_text() if doc.is_file() else ""
+    if BEGIN not in text or END not in text or text.index(BEGIN) > text.index(END):
+        raise DlmError(f"{doc}: no '{BEGIN}' ... '{END}' markers; add them where the numbers go")
+    head, rest = text.split(BEGIN, 1)
+    doc.write_text(head + BEGIN + "\n" + "\n".join(lines).rstrip() + "\n" + END + rest.split(END, 1)[1])
+
+
+# ---- command line ---------------------------------------------------------------------------------------------------
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("section", choices=["loss", "steps", "guidance", "speed"])
-    ap.add_argument("model", nargs="+", help="simplex model (run or model dir); several for `loss`")
-    ap.add_argument("--data", required=True)
+    ap.add_argument("section", choices=["init", "loss", "steps", "guidance", "speed", "intrinsic", "test-eval",
+                                        "study", "report"])
+    ap.add_argument("model", nargs="*", help="simplex model (run or model dir); several for loss, intrinsic, "
+                    "test-eval (training run dirs)")
+    ap.add_argument("--data")
     ap.add_argument("--n", type=int, default=100)
-    ap.add_argument("--values", required=True, help="comma-separated grid: steps or η")
+    ap.add_argument("--values", help="comma-separated grid: steps or η")
     ap.add_argument("--gen-length", type=int, default=40)
     ap.add_argument("--batch-size", type=int, default=50)
-    ap.add_argument("--steps", type=int, default=25, help="guidance: inference steps")
+    ap.add_argument("--steps", type=int, default=25, help="guidance, intrinsic: inference steps")
     ap.add_argument("--early-stop", type=int, default=None, help="steps: early-stop patience")
     ap.add_argument("--reward-model")
     ap.add_argument("--guidance-steps", type=int, default=1)
     ap.add_argument("--ar", help="speed: AR baseline of the same size")
+    ap.add_argument("--reference-model", help="intrinsic: held-out AR model")
+    ap.add_argument("--no-mauve", action="store_true", help="intrinsic: skip MAUVE")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out")
-    args = ap.parse_args()
-    records = read_jsonl(args.data, required=("prompt", "response"))[: args.n]
-    values = [float(v) for v in args.values.split(",")]
-    t0 = time.perf_counter()
-    if args.section == "loss":
-        out = loss_section(args.model, records, args)
+    ap.add_argument("--set", action="append", default=[], help="init: recipe override (repeatable), a.b=c")
+    ap.add_argument("--json", help="the results JSON: sections merge into it under --key; study/report: the table")
+    ap.add_argument("--key", help="the section's key in --json (default: the section name)")
+    ap.add_argument("--out", help="also write the section's result alone to this file (as tess2-shakespeare.md does)")
+    ap.add_argument("--plan", help="study, report: the pre-registered plan (YAML)")
+    ap.add_argument("--max-minutes", type=float, help="study: stop (resumably) after this wall time")
+    ap.add_argument("--doc", help="report: the results doc whose study markers are rewritten")
+    ap.add_argument("--plot", help="report: the plot (default: the doc's name with .png)")
+    args = ap.parse_args(argv)
+    try:
+        run_section(args)
+    except DlmError as e:
+        raise SystemExit(f"tess2_tinymath.py {args.section}: {e}") from None
+
+
+def run_section(args) -> None:
+    if args.section in ("study", "report"):
+        if not (args.plan and args.json):
+            raise DlmError("pass --plan PLAN.yaml and --json TABLE.json")
+        plan = Plan.load(args.plan)
+        table = StudyTable(args.json, plan)
+        if args.section == "study":
+            deadline = time.time() + 60 * args.max_minutes if args.max_minutes else None
+            added = Study(plan, table, deadline).run()
+            left = sum(arm in planned_arms(plan, key) for arm, _, key in table.missing())
+            print(f"{added} cells added; {left} planned cells missing", flush=True)
+            return
+        check_plan(plan)
+        if not args.doc:
+            raise DlmError("report: pass --doc DOC.md (with study markers)")
+        plot = Path(args.plot) if args.plot else Path(args.doc).with_suffix(".png")
+        command = (f"python benchmarks/tess2_tinymath.py report --plan {args.plan} --json {args.json} "
+                   f"--doc {args.doc}" + (f" --plot {args.plot}" if args.plot else ""))
+        lines = report_lines(plan, table, command)
+        if table.cells:
+            plot_study(plan, table, plot)
+            lines.append(f"![accuracy vs steps and η]({plot.name})")
+        write_between_markers(args.doc, lines)
+        print(f"wrote {args.doc}" + (f" and {plot}" if table.cells else " (no cells yet: no plot)"))
+        return
+    if args.section == "test-eval":
+        out = test_eval_section(args.model)
+    elif args.section == "init":
+        if len(args.model) != 1:
+            raise DlmError("init: pass one output directory")
+        out = init_section(args.model[0], args.set)
     else:
-        model, tok = load_for_inference(args.model[0])
-        section = {"steps": steps_section, "guidance": guidance_section, "speed": speed_section}[args.section]
-        out = section(model, tok, records, values, args)
-    result = {"section": args.section, "model": args.model, "data": args.data, "n": len(records), "result": out,
-              "wall_s": None}
-    result["wall_s"] = time.perf_counter() - t0
+        if not args.data or not args.model:
+            raise DlmError(f"{args.section}: pass the model(s) and --data")
+        records = read_jsonl(args.data, required=("prompt", "response"))[: args.n]
+        values = [float(v) for v in args.values.split(",")] if args.values else []
+        if args.section in ("steps", "guidance", "speed") and not values:
+            raise DlmError(f"{args.section}: pass --values (the grid)")
+        t0 = time.perf_counter()
+        if args.section == "loss":
+            out = loss_section(args.model, records, args)
+        elif args.section == "intrinsic":
+            out = intrinsic_section(args.model, args)
+        else:
+            model, tok = load_for_inference(args.model[0])
+            section = {"steps": steps_section, "guidance": guidance_section, "speed": speed_section}[args.section]
+            out = section(model, tok, records, values, args)
+        if args.section != "intrinsic":
+            out = {"section": args.section, "model": args.model, "data": args.data, "n": len(records), "result": out,
+                   "wall_s": time.perf_counter() - t0}
+    if args.json:
+        merge_json(args.json, args.key or args.section, out)
+        print(f"{args.json}: wrote {args.key or args.section}")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,208 @@
+"""The TESS 2 study driver and the tinymath-levels report end to end on tiny models (issue 17): every trained model
+is pinned, cells keep per-problem outcomes, a rerun trains and evaluates nothing already done, an evaluation file that
+appears later fills only its own cells, and the docs' numbers are regenerated between their markers."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+TINY = ["model.preset=tiny", "model.max_length=160", "train.batch_size=4", "train.steps=2", "train.log_every=1",
+        "train.eval_every=null", "train.checkpoint_every=null", "optim.warmup_steps=0", "eval.test_n=2",
+        "eval.max_new_tokens=16", "eval.inference_steps=2"]
+DATA = ["data.level=easy", "data.n_train=48", "data.n_validation=4", "data.n_test=6", "model.vocab_size=600"]
+
+
+def _plan(tmp_path) -> Path:
+    def entry(recipe, seed=0, init=None, extra=()):
+        return {"recipe": f"recipes/tinymath/{recipe}.yaml", "seed": seed, **({"init_from": init} if init else {}),
+                "set": [*TINY, *DATA, *extra]}
+
+    plan = {
+        "name": "tess2-smoke", "arms": ["ar", "steps-2", "steps-4", "eta-1", "top-p"], "seeds": [0, 1],
+        "evals": ["test", "unseen"],
+        "settings": {
+            "data_dir": str(tmp_path / "runs" / "ar" / "data"), "runs_dir": str(tmp_path / "runs"), "n": 3,
+            "max_new_tokens": 16, "batch_size": 3,
+            "eval_files": {"test": "test.jsonl", "unseen": "test_unseen.jsonl"},
+            "eval_arms": {"unseen": ["ar", "steps-2"]},
+            "train": {"ar": entry("ar"), "adapt": entry("tess2-adapt", init="ar"),
+                      "reward": entry("reward", init="ar"), "sft": entry("tess2-sft", seed="study", init="adapt")},
+            "arm_settings": {"ar": {"model": "ar"}, "steps-2": {"model": "sft", "inference_steps": 2},
+                             "steps-4": {"model": "sft", "inference_steps": 4},
+                             "eta-1": {"model": "sft", "inference_steps": 2, "reward_model": "reward",
+                                       "guidance_scale": 1.0},
+                             "top-p": {"model": "sft", "inference_steps": 4, "top_p": 0.9}},
+            "reward_scorer": "reward", "guidance_baseline": "steps-2",
+            "comparisons": [["steps-4", "steps-2"], ["eta-1", "steps-2"], ["top-p", "steps-4"], ["steps-2", "ar"]]}}
+    path = tmp_path / "plan.yaml"
+    path.write_text(json.dumps(plan))  # JSON is YAML
+    return path
+
+
+@pytest.fixture(scope="module")
+def study(tmp_path_factory):
+    """The smoke plan run once without an unseen file, then again after one appears; calls counted."""
+    import tess2_tinymath
+
+    tmp = tmp_path_factory.mktemp("tess2study")
+    plan, table = _plan(tmp), tmp / "table.json"
+    calls = {"train": [], "evaluate": 0}
+    train, evaluate = tess2_tinymath._train, tess2_tinymath.evaluate
+
+    def counted_train(recipe, resume):
+        calls["train"].append(Path(recipe.out_dir).name)
+        train(recipe, resume)
+
+    def counted_evaluate(*a, **k):
+        calls["evaluate"] += 1
+        return evaluate(*a, **k)
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(tess2_tinymath, "_train", counted_train)
+    mp.setattr(tess2_tinymath, "evaluate", counted_evaluate)
+    cli = ["--plan", str(plan), "--json", str(table)]
+    tess2_tinymath.main(["study", *cli])
+    first = {"train": list(calls["train"]), "evaluate": calls["evaluate"], "cells": json.loads(table.read_text())}
+    calls["train"].clear()
+    calls["evaluate"] = 0
+    tess2_tinymath.main(["study", *cli])  # nothing left to do: no training, no evaluation
+    second = {"train": list(calls["train"]), "evaluate": calls["evaluate"]}
+    data = tmp / "runs" / "ar" / "data"
+    (data / "test_unseen.jsonl").write_text((data / "validation.jsonl").read_text())  # stands in for the unseen split
+    tess2_tinymath.main(["study", *cli])
+    third = {"train": list(calls["train"]), "evaluate": calls["evaluate"] - second["evaluate"]}
+    mp.undo()
+    doc = tmp / "doc.md"
+    doc.write_text("# smoke\n\nwritten by hand\n<!-- study:begin -->\nold numbers\n<!-- study:end -->\n\n## Reading\n")
+    tess2_tinymath.main(["report", *cli, "--doc", str(doc)])
+    return {"tmp": tmp, "plan": plan, "table": table, "first": first, "second": second, "third": third, "doc": doc}
+
+
+def test_study_trains_each_model_once_and_records_per_problem_cells(study):
+    first = study["first"]
+    # each model once, when a cell first needs it (the reward scorer with the first cell), parents first
+    assert first["train"] == ["ar", "reward", "adapt", "sft-seed0", "sft-seed1"]
+    cells = first["cells"]["cells"]
+    assert first["evaluate"] == len(cells) == 5 * 2  # 5 arms x 2 seeds, test only: no unseen file yet
+    assert [(c["seed"], c["arm"]) for c in cells][:5] == [(0, a) for a in ["ar", "steps-2", "steps-4", "eta-1",
+                                                                          "top-p"]]  # seed-major
+    for c in cells:
+        assert c["eval"] == "test" and c["n"] == 3 and len(c["correct"]) == 3
+        assert c["accuracy"] == sum(c["correct"]) / 3
+    by = {(c["arm"], c["seed"]): c for c in cells}
+    assert by[("steps-4", 1)]["mean_nfe"] <= 4 and by[("steps-2", 0)]["mean_nfe"] <= 2
+    assert by[("eta-1", 0)]["options"]["guidance_scale"] == 1.0 and "mean_reward" in by[("eta-1", 0)]
+    assert "mean_reward" not in by[("ar", 0)]  # the scorer reads simplex outputs only
+    assert by[("steps-2", 0)]["model"].endswith("sft-seed0/model") and by[("steps-2", 1)]["model"].endswith(
+        "sft-seed1/model")
+    pins = first["cells"]["pins"]
+    assert set(pins) == {"ar", "adapt", "reward", "sft/seed0", "sft/seed1"} and pins["sft/seed0"] != pins["sft/seed1"]
+
+
+def test_rerun_skips_done_cells_and_fills_a_new_evaluation_file_only(study):
+    assert study["second"] == {"train": [], "evaluate": 0}
+    assert study["third"] == {"train": [], "evaluate": 2 * 2}  # eval_arms: unseen on ar and steps-2 only
+    cells = json.loads(study["table"].read_text())["cells"]
+    assert len(cells) == 14 and cells[:10] == study["first"]["cells"]["cells"]  # the earlier cells untouched
+    unseen = [c for c in cells if c["eval"] == "unseen"]
+    assert len({c["problems"] for c in unseen}) == 1 and unseen[0]["problems"] != cells[0]["problems"]
+
+
+def test_report_regenerates_only_the_marked_part(study):
+    import tess2_tinymath
+
+    text = study["doc"].read_text()
+    assert text.startswith("# smoke\n\nwritten by hand\n<!-- study:begin -->\n") and text.endswith(
+        "<!-- study:end -->\n\n## Reading\n")
+    assert "old numbers" not in text and "14 of 14 planned cells" in text
+    table = json.loads(study["table"].read_text())
+    c = [x for x in table["cells"] if x["arm"] == "steps-4" and x["eval"] == "test"]
+    mean = 100 * sum(x["accuracy"] for x in c) / 2
+    assert f"| steps-4 | sft | inference_steps=4 | {mean:.1f} ± " in text
+    assert text.count("- steps-4 vs steps-2: ") == 1 and text.count("- steps-2 vs ar: ") == 2  # test; test, unseen
+    assert "(n=3, 2 seeds)" in text and "; mean NFE 4.0 vs 2.0" in text
+    assert "chosen after the fact" in text  # the best η vs η = 0 line is marked post hoc
+    assert study["doc"].with_suffix(".png").stat().st_size > 10_000
+    with pytest.raises(SystemExit, match="no '<!-- study:begin -->'"):
+        study["doc"].write_text("# no markers\n")
+        tess2_tinymath.main(["report", "--plan", str(study["plan"]), "--json", str(study["table"]),
+                             "--doc", str(study["doc"])])
+
+
+def test_a_plan_naming_an_unknown_model_is_refused_in_one_line(study, tmp_path):
+    import tess2_tinymath
+
+    text = json.loads(study["plan"].read_text())
+    text["settings"]["arm_settings"]["top-p"]["model"] = "sft2"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(json.dumps(text))
+    with pytest.raises(SystemExit, match=r"bad.yaml: settings.arm_settings.top-p must name a model") as e:
+        tess2_tinymath.main(["study", "--plan", str(bad), "--json", str(tmp_path / "t.json")])
+    assert "\n" not in str(e.value)
+
+
+def test_levels_json_has_per_problem_outcomes_and_regenerates_the_table(study, tmp_path):
+    import tinymath_levels
+
+    run = study["tmp"] / "runs" / "ar"
+    doc = tmp_path / "levels.md"
+    doc.write_text("# levels\n<!-- study:begin -->\n<!-- study:end -->\n\n## Reading\nkept\n")
+    out = tmp_path / "levels.json"
+    tinymath_levels.main([str(run), "--json", str(out), "--doc", str(doc)])
+    data = json.loads(out.read_text())
+    (cell,) = data["cells"]
+    samples = [json.loads(x) for x in (run / "test_samples.jsonl").read_text().splitlines()]
+    assert cell["arm"] == "easy" and cell["correct"] == [int(s["correct"]) for s in samples] and cell["n"] == 2
+    first = doc.read_text()
+    assert f"| easy | **{100 * cell['accuracy']:.1f} %** (n=2) |" in first and first.endswith("## Reading\nkept\n")
+    doc.write_text(first.replace("| easy |", "| edited |"))
+    tinymath_levels.main(["--json", str(out), "--doc", str(doc)])  # from the JSON alone
+    assert doc.read_text() == first
+
+
+def test_easy_study_sections_merge_into_one_json(study, tmp_path):
+    """Every section of the easy doc writes its own key of one JSON (no hand assembly); steps and guidance keep every
+    problem's outcome."""
+    import tess2_tinymath
+
+    runs, out = study["tmp"] / "runs", tmp_path / "easy.json"
+    data = str(runs / "ar" / "data" / "test.jsonl")
+    common = ["--data", data, "--n", "3", "--gen-length", "16", "--json", str(out)]
+    tess2_tinymath.main(["init", str(tmp_path / "ar-as-simplex"), "--set", f"model.init_from={runs / 'ar' / 'model'}",
+                         "--set", "model.max_length=160", "--json", str(out), "--key", "init-ar"])
+    tess2_tinymath.main(["loss", str(tmp_path / "ar-as-simplex"), str(runs / "adapt"), *common, "--key", "loss-adapt",
+                         "--values", "0", "--out", str(tmp_path / "loss.json")])  # as tess2-shakespeare.md runs it
+    tess2_tinymath.main(["steps", str(runs / "sft-seed0"), *common, "--values", "2,4", "--key", "steps-sft"])
+    tess2_tinymath.main(["guidance", str(runs / "sft-seed0"), *common, "--values", "0,1", "--steps", "2",
+                         "--reward-model", str(runs / "reward")])
+    tess2_tinymath.main(["intrinsic", str(runs / "sft-seed0"), *common, "--steps", "2", "--no-mauve",
+                         "--reference-model", str(runs / "ar")])
+    tess2_tinymath.main(["test-eval", str(runs / "adapt"), str(runs / "reward"), "--json", str(out), "--key",
+                         "test_eval"])
+    result = json.loads(out.read_text())
+    assert list(result) == ["init-ar", "loss-adapt", "steps-sft", "guidance", "intrinsic", "test_eval"]
+    assert json.loads((tmp_path / "loss.json").read_text()) == result["loss-adapt"]
+    loss = result["loss-adapt"]["result"]
+    assert [r["model"] for r in loss] == [str(tmp_path / "ar-as-simplex"), str(runs / "adapt")]
+    steps = result["steps-sft"]["result"]
+    assert [r["inference_steps"] for r in steps] == [2, 4] and all(len(r["correct"]) == 3 for r in steps)
+    assert all(r["accuracy"] == sum(r["correct"]) / 3 for r in steps + result["guidance"]["result"])
+    assert [r["eta"] for r in result["guidance"]["result"]] == [0.0, 1.0]
+    assert [r["model"] for r in result["intrinsic"]["rows"]] == ["references", str(runs / "sft-seed0")]
+    assert set(result["test_eval"]) == {"adapt", "reward"}
+    assert result["test_eval"]["adapt"] == json.loads((runs / "adapt" / "eval.json").read_text())
+
+
+def test_max_minutes_stops_resumably_before_the_next_cell(study, tmp_path, capsys):
+    import tess2_tinymath
+
+    table = tmp_path / "t.json"
+    tess2_tinymath.main(["study", "--plan", str(study["plan"]), "--json", str(table), "--max-minutes", "1e-9"])
+    out = capsys.readouterr().out
+    assert "--max-minutes reached; the next call resumes here" in out and "0 cells added; 14 planned cells" in out
+    assert not table.exists()
