@@ -1,7 +1,9 @@
 """tinymath: synthetic arithmetic word problems (TinyGSM-style) whose answer is a short Python program.
 
 Each record is ``{"prompt", "response", "answer"}``; ``response`` defines ``solution()``, which returns the integer
-``answer``. Generation is deterministic given a seed and uses only the standard library.
+``answer``. Generation is deterministic given a seed and uses only the standard library. Two phrasing families word
+the same arithmetic: ``seen`` (every training split) and ``unseen`` (only ``test_unseen``), which share no sentence
+template, so accuracy on ``test_unseen`` measures generalisation beyond the training templates (issue 17, item 6).
 """
 
 from __future__ import annotations
@@ -11,10 +13,11 @@ import json
 import random
 import re
 from dataclasses import asdict, dataclass
+from string import Formatter
 from pathlib import Path
 
-__all__ = ["Difficulty", "LEVELS", "generate_problem", "generate_splits", "write_tinymath", "corrupt_program",
-           "run_solution", "count_steps"]
+__all__ = ["Difficulty", "LEVELS", "PHRASINGS", "generate_problem", "generate_splits", "generate_unseen_test",
+           "write_tinymath", "corrupt_program", "run_solution", "count_steps"]
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,86 @@ DISTRACT_T = ["{X} is {d} years old.", "{X} also has {d} {Q}.", "{X}'s {rel} has
               "The {place} is {d} miles from {Npos} house.", "{X} spends {d} minutes at the {place}.",
               "There are {d} {Q} on the kitchen table."]
 
+# The unseen family: the same facts, events and questions in other words and sentence structures (passive voice, the
+# quantity or the other person first, other verbs and question forms). Never used for train/validation/test. Program
+# variable names (the role names) are the seen family's, so only the wording of the question is new.
+BASE_U = ["{X} keeps {d} {P} at home.", "{d} {P} belong to {X}.", "In {Npos} room, there are {d} {P}.",
+          "{X} starts the day with {d} {P}."]
+PRODUCT_U = ["Each of {Npos} {a} {Cp} holds {b} {P}.", "{b} {P} fit in one {C}, and {X} has {a} full {Cp}.",
+             "{X} lines up {a} {Cp}, putting {b} {P} in every one."]
+REL_U = {
+    "+": ["{B} would need {d} more {P} to match {X}.", "{X} is {d} {P} ahead of {B}.",
+          "{Npos} count of {P} is {d} above {B}'s."],
+    "-": ["{X} would need {d} more {P} to match {B}.", "{X} is {d} {P} behind {B}.",
+          "{Npos} count of {P} is {d} below {B}'s."],
+    "*": ["For every {s} {B} has, {X} has {d}.", "{B} has only {fw} of the {P} {X} has.",
+          "{Npos} {P} outnumber {B}'s by a factor of {d}."],
+    "/": ["For every {d} {P} {B} has, {X} has one.", "{B} has {d} times the {P} that {X} has.",
+          "{Npos} pile of {P} is {fw} the size of {B}'s."],
+}
+EVENT_U = {
+    "+": [("{d} more {P} are bought by {o_}.", "bought"), ("On a walk, {s_} comes across {d} more {P}.", "found"),
+          ("As a gift, {O} hands {o_} another {d} {P}.", "received"),
+          ("{S} collects {d} additional {P} from the garden.", "picked"), ("At a fair, {d} {P} are won by {o_}.", "won")],
+    "-": [("{d} of {Npos} {P} are handed over to {O}.", "given"), ("At the market, {s_} sells off {d} {P}.", "sold"),
+          ("{S} drops {d} {P} and never finds them.", "lost"), ("A charity receives {d} {P} from {o_}.", "donated"),
+          ("{S} lends {d} {P} to {O}.", "borrowed")],
+    "*": [("The number of {P} {s_} owns is then multiplied by {m}.", ""),
+          ("Thanks to a trade, the {P} {s_} owns are {mr}.", ""), ("{S} makes {pos} pile of {P} {m} times bigger.", "")],
+    "/": [("Only {fw} of {Npos} {P} are kept, and the rest are given away.", ""),
+          ("{S} divides {pos} {P} into {m} equal piles and keeps a single pile.", ""),
+          ("After giving most away, {s_} is left with {fo} the {P} {pr} had.", "")],
+}
+Q_FINAL_EV_U = ["Once all of this is done, what is the number of {P} {S} holds?", "What is {Npos} final count of {P}?",
+                "How many {P} are in {Npos} possession once everything is over?"]
+Q_FINAL_U = ["What is {Npos} count of {P}?", "How many {P} belong to {S}?", "Count {Npos} {P}: how many are there?"]
+Q_TOTAL_U = ["If {names} put all their {P} together, how many are there?", "Together, how many {P} belong to {names}?",
+             "What is the combined count of {P} held by {names}?"]
+Q_DIFF_U = ["By how many {P} does {A} lead {B}?", "How big is the gap between {A}'s {P} and {B}'s {P}?",
+            "How many {P} would {B} need to catch up with {A}?"]
+Q_DIV_U = [("{Npos} {P} are packed equally into {m} {Cp}. What is the number of {P} in each {C}?", "each"),
+           ("If {m} friends split {Npos} {P} evenly, how many {P} does one friend receive?", "each"),
+           ("How many groups of {m} can {S} make from {pos} {P}?", "groups")]
+Q_MUL_U = [("At {m} dollars per {s}, how many dollars does {S} make by selling all {pos} {P}?", "earned"),
+           ("A single {s} has a weight of {m} grams. What is the total weight in grams of {Npos} {P}?", "grams"),
+           ("The price of one {s} is {m} dollars. What are {Npos} {P} worth in dollars?", "worth")]
+DISTRACT_U = ["{X} turns {d} this year.", "{X} walks {d} miles to the {place} every week.",
+              "{d} {Q} are owned by {Npos} {rel}.", "{X} waits {d} minutes for a bus.", "On the windowsill sit {d} {Q}.",
+              "{X} keeps {d} {Q} in a drawer."]
+
+
+@dataclass(frozen=True)
+class Phrasing:
+    """One family of sentence templates for every sentence form the generator writes."""
+
+    base: list
+    product: list
+    rel: dict
+    event: dict
+    q_final_ev: list
+    q_final: list
+    q_total: list
+    q_diff: list
+    q_div: list
+    q_mul: list
+    distract: list
+
+
+PHRASINGS: dict[str, Phrasing] = {
+    "seen": Phrasing(BASE_T, PRODUCT_T, REL_T, EVENT_T, Q_FINAL_EV, Q_FINAL, Q_TOTAL, Q_DIFF, Q_DIV, Q_MUL, DISTRACT_T),
+    "unseen": Phrasing(BASE_U, PRODUCT_U, REL_U, EVENT_U, Q_FINAL_EV_U, Q_FINAL_U, Q_TOTAL_U, Q_DIFF_U, Q_DIV_U,
+                       Q_MUL_U, DISTRACT_U),
+}
+_PEOPLE = {"S", "s_", "o_", "X", "Npos", "pos", "pr", "B", "A", "O"}  # template fields naming a person
+
+
+def _keeps_subject(tpl: str, phrasing: str) -> bool:
+    """Whether a sentence leaves its own person as the one a following pronoun refers to."""
+    if phrasing == "seen":  # the rule the seen data was generated with: changing it would change that data
+        return not tpl.startswith(("There", "{O}"))
+    first = next((f for _, f, _, _ in Formatter().parse(tpl) if f in _PEOPLE), None)
+    return first is not None and first not in ("B", "A", "O")
+
 
 class _Retry(Exception):
     """Raised when a random draw cannot be completed; the caller draws again."""
@@ -136,8 +219,8 @@ def _forms(person: tuple[str, str] | None, pronoun: bool) -> dict:
 class _Builder:
     """Builds one problem: program lines (dependency order) and prompt sentences (possibly shuffled)."""
 
-    def __init__(self, rng: random.Random, lv: Difficulty):
-        self.rng, self.lv = rng, lv
+    def __init__(self, rng: random.Random, lv: Difficulty, phrasing: str = "seen"):
+        self.rng, self.lv, self.phrasing, self.t = rng, lv, phrasing, PHRASINGS[phrasing]
         self.cap = min(10 * lv.max_number, 10_000)
         self.lines: list[str] = []
         self.used: set[str] = set()
@@ -206,7 +289,7 @@ class _Builder:
         return self.num(2, hi)
 
     def build(self) -> dict:
-        rng, lv = self.rng, self.lv
+        rng, lv, t = self.rng, self.lv, self.t
         k = rng.randint(lv.min_steps, lv.max_steps)
         obj_s, obj_p = rng.choice(OBJECTS)
         n = rng.randint(max(1, lv.max_entities - 2), lv.max_entities)
@@ -222,19 +305,19 @@ class _Builder:
                 e.value = self.apply(op, par.value, arg)
                 e.var = self.assign(own, f"{par.var} {_PYOP[op]} {arg}")
                 f = {"B": par.person[0], "d": arg, "mw": _MULT.get(arg), "fw": _FRAC.get(arg), "fo": _FRAC_OF.get(arg)}
-                facts.append((rng.choice(REL_T[op]), f, e.person, False))
+                facts.append((rng.choice(t.rel[op]), f, e.person, False))
                 steps += 1
             elif "*" in lv.operations and rng.random() < 0.2:
                 (c, cp), a = rng.choice(CONTAINERS), self.num(2, 9)
                 b = self.num(2, min(lv.max_number, self.cap // a))
                 cv, pv = self.assign((cp,), str(a)), self.assign((f"per_{c}",), str(b))
                 e.value, e.var = self.check(a * b), self.assign(own, f"{cv} * {pv}")
-                facts.append((rng.choice(PRODUCT_T), {"a": a, "b": b, "C": c, "Cp": cp}, e.person, False))
+                facts.append((rng.choice(t.product), {"a": a, "b": b, "C": c, "Cp": cp}, e.person, False))
                 steps += 1
             else:
                 e.value = self.base_value()
                 e.var = self.assign(own, str(e.value))
-                facts.append((rng.choice(BASE_T), {"d": e.value}, e.person, False))
+                facts.append((rng.choice(t.base), {"d": e.value}, e.person, False))
         if lv.shuffle_facts:
             rng.shuffle(facts)
 
@@ -258,7 +341,7 @@ class _Builder:
         for _ in range(k - steps - cost):
             e = rng.choice([ents[t] for t in targets])
             op, arg = self.pick(e.value, lv.max_number)
-            tpl, role = rng.choice(EVENT_T[op])
+            tpl, role = rng.choice(t.event[op])
             prefix = "" if n == 1 else e.person[0].lower() + "_"
             res = {"+": ("total", "now"), "-": ("left", "remaining"), "/": ("kept", "share")}.get(op, (_MRES.get(arg),))
             if op in "+-":
@@ -268,27 +351,27 @@ class _Builder:
                 e.var = self.assign(tuple(prefix + r for r in res), f"{e.var} {_PYOP[op]} {arg}")
             e.value = self.apply(op, e.value, arg)
             f = {"d": arg, "m": arg, "mw": _MULT.get(arg), "mv": _MVERB.get(arg), "fo": _FRAC_OF.get(arg),
-                 "O": rng.choice(others)[0]}
+                 "O": rng.choice(others)[0], "mr": _MRES.get(arg), "fw": _FRAC.get(arg)}
             events.append((tpl, f, e.person, True))
         subj = ents[targets[0]]
         qf = {"S": subj.person[0], "names": ", ".join(p[0] for p in people[: n - 1]) + f" and {people[n - 1][0]}"}
         if kind == "total":
             answer = self.check(sum(e.value for e in ents))
             ret = self.assign(("total",), " + ".join(e.var for e in ents))
-            q = rng.choice(Q_TOTAL)
+            q = rng.choice(t.q_total)
         elif kind == "final":
-            answer, ret, q = subj.value, subj.var, rng.choice(Q_FINAL_EV if events else Q_FINAL)
+            answer, ret, q = subj.value, subj.var, rng.choice(t.q_final_ev if events else t.q_final)
         elif kind == "diff":
             a, b = sorted((ents[t] for t in targets), key=lambda e: -e.value)
             answer, ret = self.check(a.value - b.value), self.assign(("diff",), f"{a.var} - {b.var}")
-            q, qf = rng.choice(Q_DIFF), {"A": a.person[0], "B": b.person[0]}
+            q, qf = rng.choice(t.q_diff), {"A": a.person[0], "B": b.person[0]}
         else:
             if kind == "div":
                 ms = [m for m in range(2, 11) if subj.value % m == 0 and subj.value > m]
-                q, name = rng.choice(Q_DIV)
+                q, name = rng.choice(t.q_div)
             else:
                 ms = [m for m in range(2, 11) if subj.value * m <= self.cap]
-                q, name = rng.choice(Q_MUL)
+                q, name = rng.choice(t.q_mul)
             if not ms:
                 raise _Retry
             m = rng.choice(ms)
@@ -302,7 +385,7 @@ class _Builder:
             choices = [d for d in range(2, lv.max_number + 1) if d not in self.nums]
             d = rng.choice(choices)
             self.nums.add(d)
-            tpl, x = rng.choice(DISTRACT_T), rng.choice(people)
+            tpl, x = rng.choice(t.distract), rng.choice(people)
             subject = x if tpl.startswith("{X} ") else None
             f = {"d": d, "Q": rng.choice([o for o in OBJECTS if o[1] != obj_p])[1], "rel": rng.choice(RELATIVES),
                  "place": rng.choice(PLACES), **_forms(x, False)}
@@ -312,7 +395,7 @@ class _Builder:
         for tpl, f, person, may_pronoun in body:
             pron = may_pronoun and person == prev and rng.random() < 0.6
             sentences.append(tpl.format(**{**_forms(person, pron), "P": obj_p, "s": obj_s, **f}))
-            prev = None if tpl.startswith(("There", "{O}")) else person
+            prev = person if _keeps_subject(tpl, self.phrasing) else None
         code = "def solution():\n" + "".join(f"    {line}\n" for line in self.lines) + f"    return {ret}"
         prompt = " ".join(sentences)
         steps_ok = lv.min_steps <= count_steps(code) <= lv.max_steps
@@ -345,12 +428,15 @@ def _resolve(level: str | Difficulty) -> Difficulty:
     return LEVELS[level]
 
 
-def generate_problem(rng: random.Random, level: Difficulty | str = "medium") -> dict:
-    """One problem {"prompt", "response", "answer"} drawn with `rng` at `level`."""
+def generate_problem(rng: random.Random, level: Difficulty | str = "medium", phrasing: str = "seen") -> dict:
+    """One problem {"prompt", "response", "answer"} drawn with `rng` at `level`, worded by the `phrasing` family
+    ("seen": the training templates; "unseen": held-out templates for `test_unseen`)."""
     lv = _resolve(level)
+    if phrasing not in PHRASINGS:
+        raise ValueError(f"unknown tinymath phrasing {phrasing!r}; choose from {sorted(PHRASINGS)}")
     for _ in range(1000):
         try:
-            return _Builder(rng, lv).build()
+            return _Builder(rng, lv, phrasing).build()
         except _Retry:
             continue
     raise RuntimeError(f"could not generate a problem for {lv!r}")
@@ -375,9 +461,27 @@ def generate_splits(n_train: int, n_val: int, n_test: int, level: str | Difficul
     return {"train": out["train"], "validation": out["validation"], "test": out["test"]}
 
 
+def generate_unseen_test(n: int, level: str | Difficulty = "medium", seed: int = 0) -> list[dict]:
+    """`n` distinct problems in the unseen phrasing (records carry "phrasing": "unseen"), from their own rng stream:
+    they do not depend on the seen splits' sizes, and share no sentence template with them."""
+    lv, seen, records = _resolve(level), set(), []
+    rng = random.Random(f"tinymath:{seed}:test_unseen")
+    for _ in range(50 * n + 1000):
+        if len(records) >= n:
+            break
+        rec = generate_problem(rng, lv, phrasing="unseen")
+        if rec["prompt"] not in seen:
+            seen.add(rec["prompt"])
+            records.append({**rec, "phrasing": "unseen"})
+    if len(records) < n:
+        raise RuntimeError(f"only {len(records)} distinct test_unseen problems at level {lv.name!r}")
+    return records
+
+
 def write_tinymath(out_dir, n_train: int = 20000, n_val: int = 500, n_test: int = 500,
                    level: str | Difficulty = "medium", seed: int = 0) -> dict[str, Path]:
-    """Write train/validation/test jsonl, corpus.txt and meta.json under `out_dir`; return their paths."""
+    """Write train/validation/test jsonl, test_unseen.jsonl (as many problems as test, in the held-out phrasing),
+    corpus.txt and meta.json under `out_dir`; return their paths."""
     lv, out = _resolve(level), Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     splits = generate_splits(n_train, n_val, n_test, lv, seed)
@@ -385,12 +489,16 @@ def write_tinymath(out_dir, n_train: int = 20000, n_val: int = 500, n_test: int 
     for name, records in splits.items():
         paths[name].write_text("".join(json.dumps({k: r[k] for k in ("prompt", "response", "answer")}) + "\n"
                                        for r in records))
+    paths["test_unseen"] = out / "test_unseen.jsonl"
+    unseen = generate_unseen_test(n_test, lv, seed)
+    paths["test_unseen"].write_text("".join(json.dumps(r) + "\n" for r in unseen))
     paths["corpus"] = out / "corpus.txt"
     paths["corpus"].write_text("\n\n".join(f"user: {r['prompt']}\nassistant: {r['response']}"
                                            for r in splits["train"]) + "\n")
     paths["meta"] = out / "meta.json"
     meta = {"task": "tinymath", "level": asdict(lv), "seed": seed,
-            "counts": {name: len(records) for name, records in splits.items()}}
+            "counts": {**{name: len(records) for name, records in splits.items()}, "test_unseen": len(unseen)},
+            "phrasing": {"seen": list(splits), "unseen": ["test_unseen"]}}
     paths["meta"].write_text(json.dumps(meta, indent=2) + "\n")
     return paths
 
