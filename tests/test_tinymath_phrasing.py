@@ -1,4 +1,5 @@
-"""tinymath's unseen phrasing (issue 17, item 6): held-out templates, disjoint from the training ones by construction."""
+"""tinymath's unseen phrasing (issue 17, item 6): held-out templates, disjoint from the training ones by
+construction."""
 
 import hashlib
 import json
@@ -88,120 +89,118 @@ _N = "(" + _NAME + ")"
 _WHO = "(" + _NAME + "|[Ss]he|[Hh]e|her|him)"
 _W = r"[a-z]+"
 _FRAC_WORD = {"half": 2, "a third": 3, "a quarter": 4, "a fifth": 5}
-_FRAC_OF_WORD = {"half of": 2, "one third of": 3, "one quarter of": 4, "one fifth of": 5}
 _RESULT_WORD = {"doubled": 2, "tripled": 3, "quadrupled": 4}
-_FW, _FO, _MR = (_alt(w) for w in (_FRAC_WORD, _FRAC_OF_WORD, _RESULT_WORD))
+_FW, _MR = _alt(_FRAC_WORD), _alt(_RESULT_WORD)
 
 
 def _read_unseen(prompt):
     """The answer an unseen-phrasing question asks for, computed from its wording alone (a reader written from the
-    meaning of each sentence, not from the generator): facts relate initial counts, events then change them in order,
-    a pronoun is the first person named in the sentence before it (and must have that person's gender)."""
+    meaning of each sentence, not from the generator): facts relate initial counts, events then change them in order
+    (a transfer changes both people's counts where they are known), and a pronoun is the first person named in the
+    sentence before it, of the same gender."""
     gender = dict(NAMES)
-    known, relations, events, asked, unit = {}, [], [], None, None
-    ref = None
+    known, relations, events, asked, pending, ref = {}, [], [], None, None, None
     for sentence in re.split(r"(?<=[.?]) ", prompt):
-        def who(word):
+        def who(word, ref=ref):
             if word in gender:
                 return word
             assert ref is not None and gender[ref] == ("f" if word.lower() in ("she", "her") else "m"), (word, prompt)
             return ref
 
-        def m(pattern):
-            return re.fullmatch(pattern.replace("{N}", _N).replace("{WHO}", _WHO).replace("{W}", _W)
-                                .replace("{FW}", f"({_FW})").replace("{FO}", f"({_FO})").replace("{MR}", f"({_MR})"),
-                                sentence)
+        def m(*patterns, sentence=sentence):
+            for pattern in patterns:
+                rx = (pattern.replace("{N}", _N).replace("{WHO}", _WHO).replace("{W}", _W).replace("{FW}", f"({_FW})")
+                      .replace("{MV}", "(doubles|triples|quadruples)").replace("{MR}", f"({_MR})"))
+                if g := re.fullmatch(rx, sentence):
+                    return g
+            return None
 
-        def rel(a, b, forward, backward):  # a = forward(b), b = backward(a)
+        def rel(a, b, forward, backward):  # count of a = forward(count of b); count of b = backward(count of a)
             relations.append((a, b, forward, backward))
 
-        if g := (m(r"{N} keeps (\d+) {W} at home\.") or m(r"{N} starts the day with (\d+) {W}\.")):
+        def change(person, f):
+            events.append((who(person), f))
+
+        if g := m(r"{N} keeps (\d+) {W} at home\.", r"In {N}'s house, there are (\d+) {W}\.",
+                  r"{N}'s collection is (\d+) {W}\."):
             known[g[1]] = int(g[2])
-        elif g := (m(r"(\d+) {W} belong to {N}\.") or m(r"In {N}'s room, there are (\d+) {W}\.")):
-            name, d = (g[2], g[1]) if g[1].isdigit() else (g[1], g[2])
-            known[name] = int(d)
-        elif g := m(r"Each of {N}'s (\d+) {W} holds (\d+) {W}\."):
+        elif g := m(r"(\d+) {W} are {N}'s\."):
+            known[g[2]] = int(g[1])
+        elif g := m(r"Each of {N}'s (\d+) {W} holds (\d+) {W}\.",
+                    r"{N} has (\d+) {W}, and there are (\d+) {W} in each one\."):
             known[g[1]] = int(g[2]) * int(g[3])
-        elif g := m(r"(\d+) {W} fit in one {W}, and {N} has (\d+) full {W}\."):
+        elif g := m(r"(\d+) {W} are in each {W}, and {N} has (\d+) {W}\."):
             known[g[2]] = int(g[1]) * int(g[3])
-        elif g := m(r"{N} lines up (\d+) {W}, putting (\d+) {W} in every one\."):
-            known[g[1]] = int(g[2]) * int(g[3])
-        elif g := (m(r"{N} would need (\d+) more {W} to match {N}\.") or m(r"{N} is (\d+) {W} behind {N}\.")):
-            d = int(g[2])
-            rel(g[1], g[3], lambda v, d=d: v - d, lambda v, d=d: v + d)
-        elif g := m(r"{N} is (\d+) {W} ahead of {N}\."):
-            d = int(g[2])
-            rel(g[1], g[3], lambda v, d=d: v + d, lambda v, d=d: v - d)
-        elif g := m(r"{N}'s count of {W} is (\d+) (above|below) {N}'s\."):
-            d = int(g[2]) * (1 if g[3] == "above" else -1)
+        elif g := m(r"{N} has to get (\d+) more {W} to have as many as {N}\."):
+            rel(g[1], g[3], lambda v, d=int(g[2]): v - d, lambda v, d=int(g[2]): v + d)
+        elif g := m(r"{N} has all the {W} {N} has, and (\d+) more\."):
+            rel(g[1], g[2], lambda v, d=int(g[3]): v + d, lambda v, d=int(g[3]): v - d)
+        elif g := m(r"The number of {W} {N} has is (\d+) (more|fewer) than {N} has\."):
+            d = int(g[2]) if g[3] == "more" else -int(g[2])
             rel(g[1], g[4], lambda v, d=d: v + d, lambda v, d=d: v - d)
-        elif g := (m(r"For every {W} {N} has, {N} has (\d+)\.")):
-            d = int(g[3])
-            rel(g[2], g[1], lambda v, d=d: v * d, lambda v, d=d: v / d)
-        elif g := m(r"{N}'s {W} outnumber {N}'s by a factor of (\d+)\.") or m(r"{N} has (\d+) times the {W} that {N} has\."):
-            a, d, b = (g[1], g[3], g[2]) if not g[2].isdigit() else (g[1], g[2], g[3])
-            rel(a, b, lambda v, d=int(d): v * d, lambda v, d=int(d): v / d)
-        elif g := m(r"{N} has only {FW} of the {W} {N} has\."):
+        elif g := m(r"{N} has (\d+) {W} for each {W} {N} has\.",
+                    r"The number of {W} {N} has is (\d+) times the number {N} has\."):
+            rel(g[1], g[3], lambda v, d=int(g[2]): v * d, lambda v, d=int(g[2]): v / d)
+        elif g := m(r"{N} has (\d+) times the number of {W} {N} has\."):
+            rel(g[1], g[3], lambda v, d=int(g[2]): v * d, lambda v, d=int(g[2]): v / d)
+        elif g := m(r"{N} has one {W} for each (\d+) {W} {N} has\."):
+            rel(g[1], g[3], lambda v, d=int(g[2]): v / d, lambda v, d=int(g[2]): v * d)
+        elif g := m(r"{N}'s {W} are only {FW} of {N}'s\."):
             d = _FRAC_WORD[g[2]]
             rel(g[1], g[3], lambda v, d=d: v / d, lambda v, d=d: v * d)
-        elif g := m(r"For every (\d+) {W} {N} has, {N} has one\."):
-            d = int(g[1])
-            rel(g[3], g[2], lambda v, d=d: v / d, lambda v, d=d: v * d)
-        elif g := m(r"{N}'s pile of {W} is {FW} the size of {N}'s\."):
-            d = _FRAC_WORD[g[2]]
-            rel(g[1], g[3], lambda v, d=d: v / d, lambda v, d=d: v * d)
-        elif g := (m(r"(\d+) more {W} are bought by {WHO}\.") or m(r"At a fair, (\d+) {W} are won by {WHO}\.")):
-            events.append((who(g[2]), lambda v, d=int(g[1]): v + d))
-        elif g := (m(r"On a walk, {WHO} comes across (\d+) more {W}\.") or m(r"{WHO} collects (\d+) additional {W} from the garden\.")):
-            events.append((who(g[1]), lambda v, d=int(g[2]): v + d))
-        elif g := m(r"As a gift, {N} hands {WHO} another (\d+) {W}\."):
-            events.append((who(g[2]), lambda v, d=int(g[3]): v + d))
-        elif g := m(r"(\d+) of {N}'s {W} are handed over to {N}\."):
-            events.append((g[2], lambda v, d=int(g[1]): v - d))
-        elif g := (m(r"At the market, {WHO} sells off (\d+) {W}\.") or m(r"{WHO} drops (\d+) {W} and never finds them\.")
-                   or m(r"{WHO} lends (\d+) {W} to {N}\.")):
-            events.append((who(g[1]), lambda v, d=int(g[2]): v - d))
-        elif g := m(r"A charity receives (\d+) {W} from {WHO}\."):
-            events.append((who(g[2]), lambda v, d=int(g[1]): v - d))
-        elif g := (m(r"The number of {W} {WHO} owns is then multiplied by (\d+)\.")
-                   or m(r"{WHO} makes (?:her|his) pile of {W} (\d+) times bigger\.")):
-            events.append((who(g[1]), lambda v, d=int(g[2]): v * d))
-        elif g := m(r"Thanks to a trade, the {W} {WHO} owns are {MR}\."):
-            events.append((who(g[1]), lambda v, d=_RESULT_WORD[g[2]]: v * d))
-        elif g := m(r"Only {FW} of {N}'s {W} are kept, and the rest are given away\."):
-            events.append((g[2], lambda v, d=_FRAC_WORD[g[1]]: v / d))
-        elif g := m(r"{WHO} divides (?:her|his) {W} into (\d+) equal piles and keeps a single pile\."):
-            events.append((who(g[1]), lambda v, d=int(g[2]): v / d))
-        elif g := m(r"After giving most away, {WHO} is left with {FO} the {W} (?:she|he) had\."):
-            events.append((who(g[1]), lambda v, d=_FRAC_OF_WORD[g[2]]: v / d))
-        elif (m(r"{N} turns \d+ this year\.") or m(r"{N} walks \d+ miles to the {W} every week\.")
-              or m(r"\d+ {W} are owned by {N}'s {W}\.") or m(r"{N} waits \d+ minutes for a bus\.")
-              or m(r"On the windowsill sit \d+ {W}\.") or m(r"{N} keeps \d+ {W} in a drawer\.")):
+        elif g := m(r"(\d+) more {W} are bought by {WHO}\.", r"(\d+) {W} are found by {WHO}\.",
+                    r"Then (\d+) more {W} are picked up by {WHO}\.", r"(\d+) {W} are won at a fair by {WHO}\."):
+            change(g[2], lambda v, d=int(g[1]): v + d)
+        elif g := m(r"(\d+) {W} are given to {WHO} by {WHO}\.", r"(\d+) {W} are borrowed from {WHO} by {WHO}\."):
+            taker, giver = (g[2], g[3]) if "given" in sentence else (g[3], g[2])
+            events.append((who(taker), lambda v, d=int(g[1]): v + d))
+            events.append((who(giver), lambda v, d=int(g[1]): v - d))
+        elif g := m(r"(\d+) of {N}'s {W} are sold\.", r"(\d+) {W} are donated to the school by {WHO}\."):
+            change(g[2], lambda v, d=int(g[1]): v - d)
+        elif g := m(r"On the way home, {WHO} loses (\d+) {W}\."):
+            change(g[1], lambda v, d=int(g[2]): v - d)
+        elif g := m(r"Then the number of {W} {WHO} has {MV}\."):
+            change(g[1], lambda v, d={"doubles": 2, "triples": 3, "quadruples": 4}[g[2]]: v * d)
+        elif g := m(r"{N}'s {W} are {MR} after a trade\."):
+            change(g[1], lambda v, d=_RESULT_WORD[g[2]]: v * d)
+        elif g := m(r"{WHO} ends up with (\d+) times the {W} (?:she|he) had\."):
+            change(g[1], lambda v, d=int(g[2]): v * d)
+        elif g := m(r"{N}'s {W} are split into (\d+) equal groups, and {WHO} keeps one group\.",
+                    r"The {W} {WHO} has are shared equally among (\d+) people, and (?:she|he) keeps one share\."):
+            person, d = (g[1], g[2]) if not g[1].isdigit() else (g[2], g[1])
+            change(person, lambda v, d=int(d): v / d)
+        elif g := m(r"{WHO} gives away all but {FW} of (?:her|his) {W}\."):
+            change(g[1], lambda v, d=_FRAC_WORD[g[2]]: v / d)
+        elif m(r"The age of {N} is \d+\.", r"{N} lives \d+ miles from the {W}\.", r"\d+ {W} are owned by {N}'s {W}\.",
+               r"\d+ minutes are spent by {N} at the {W}\.", r"On the kitchen table, there are \d+ {W}\.",
+               r"\d+ {W} are in {N}'s bag\."):
             pass  # distractors: nothing to count
-        elif g := (m(r"{N}'s {W} are packed equally into (\d+) {W}\.") ):
-            unit = ("/", g[1], int(g[2]))
-        elif g := (m(r"A single {W} has a weight of (\d+) grams\.") or m(r"The price of one {W} is (\d+) dollars\.")):
-            unit = int(g[1])
-        elif g := (m(r"Once all of this is done, what is the number of {W} {N} holds\?") or m(r"What is {N}'s final count of {W}\?")
-                   or m(r"How many {W} are in {N}'s possession once everything is over\?") or m(r"What is {N}'s count of {W}\?")
-                   or m(r"How many {W} belong to {N}\?") or m(r"Count {N}'s {W}: how many are there\?")):
-            asked = ("final", [x for x in g.groups() if x in gender])
-        elif g := (m(r"If (.+) put all their {W} together, how many are there\?") or m(r"Together, how many {W} belong to (.+)\?")
-                   or m(r"What is the combined count of {W} held by (.+)\?")):
-            asked = ("total", re.findall(_NAME, g[0]))
-        elif g := (m(r"By how many {W} does {N} lead {N}\?") or m(r"How big is the gap between {N}'s {W} and {N}'s {W}\?")):
-            asked = ("diff", [x for x in g.groups() if x in gender])
-        elif g := m(r"How many {W} would {N} need to catch up with {N}\?"):
-            asked = ("diff", [g[2], g[1]])
-        elif g := m(r"What is the number of {W} in each {W}\?"):
-            asked = ("div", [unit[1]], unit[2])
-        elif g := (m(r"If (\d+) friends split {N}'s {W} evenly, how many {W} does one friend receive\?")
-                   or m(r"How many groups of (\d+) can {N} make from (?:her|his) {W}\?")):
+        elif g := m(r"{N}'s {W} are put into (\d+) {W} equally\."):
+            pending = ("div", g[1], int(g[2]))
+        elif g := m(r"{N} sells all of (?:her|his) {W} for (\d+) dollars each\.",
+                    r"{N}'s {W} cost (\d+) dollars each\."):
+            pending = ("mul", g[1], int(g[2]))
+        elif m(r"How many {W} are in each {W}\?", r"How many dollars are they worth\?"):
+            asked = (pending[0], [pending[1]], pending[2])
+        elif g := m(r"How many dollars does {WHO} earn\?"):
+            assert who(g[1]) == pending[1], prompt
+            asked = (pending[0], [pending[1]], pending[2])
+        elif g := m(r"If (\d+) friends share {N}'s {W} equally, how many {W} does each of them get\?",
+                    r"How many groups of (\d+) {W} can {N} make\?"):
             asked = ("div", [g[2]], int(g[1]))
-        elif g := m(r"At (\d+) dollars per {W}, how many dollars does {N} make by selling all (?:her|his) {W}\?"):
+        elif g := m(r"If one {W} weighs (\d+) grams, how many grams do {N}'s {W} weigh in total\?"):
             asked = ("mul", [g[2]], int(g[1]))
-        elif g := (m(r"What is the total weight in grams of {N}'s {W}\?") or m(r"What are {N}'s {W} worth in dollars\?")):
-            asked = ("mul", [g[1]], unit)
+        elif g := m(r"At the end, what is the number of {W} {N} has\?", r"Now, how many {W} are {N}'s\?",
+                    r"{N} now has how many {W}\?", r"How many {W} are {N}'s\?", r"{N} has how many {W}\?",
+                    r"What number of {W} does {N} own\?"):
+            asked = ("final", [g[1]])
+        elif g := m(r"If (.+) put all of their {W} together, how many {W} are there\?",
+                    r"Altogether, (.+) have how many {W}\?", r"In total, how many {W} are there among (.+)\?"):
+            asked = ("total", re.findall(_NAME, g[1]))
+        elif g := m(r"{N} has how many more {W} than {N}\?", r"How many more {W} are {N}'s than {N}'s\?"):
+            asked = ("diff", [g[1], g[2]])
+        elif g := m(r"How many {W} does {N} have to get to have as many as {N}\?"):
+            asked = ("diff", [g[2], g[1]])
         else:
             raise AssertionError(f"the reader cannot read {sentence!r}")
         names = re.findall(rf"\b(?:{_WHO[1:-1]})\b", sentence)
@@ -215,10 +214,11 @@ def _read_unseen(prompt):
                     assert value == int(value), prompt
                     known[x], grew = int(value), True
         assert grew, f"the facts do not determine every count: {prompt}"
-    for name, change in events:
-        value = change(known[name])
-        assert value == int(value) and value >= 0, prompt
-        known[name] = int(value)
+    for name, f in events:
+        if name in known:  # a person whose count was never stated only gives or takes
+            value = f(known[name])
+            assert value == int(value) and value >= 0, prompt
+            known[name] = int(value)
     kind, people, *arg = asked
     values = [known[p] for p in people]
     if kind == "final":

@@ -13,8 +13,8 @@ import json
 import random
 import re
 from dataclasses import asdict, dataclass
-from string import Formatter
 from pathlib import Path
+from string import Formatter
 
 __all__ = ["Difficulty", "LEVELS", "PHRASINGS", "generate_problem", "generate_splits", "generate_unseen_test",
            "write_tinymath", "corrupt_program", "run_solution", "count_steps"]
@@ -114,52 +114,53 @@ DISTRACT_T = ["{X} is {d} years old.", "{X} also has {d} {Q}.", "{X}'s {rel} has
               "The {place} is {d} miles from {Npos} house.", "{X} spends {d} minutes at the {place}.",
               "There are {d} {Q} on the kitchen table."]
 
-# The unseen family: the same facts, events and questions in other words and sentence structures (passive voice, the
-# quantity or the other person first, other verbs and question forms). Never used for train/validation/test. Program
-# variable names (the role names) are the seen family's, so only the wording of the question is new.
-BASE_U = ["{X} keeps {d} {P} at home.", "{d} {P} belong to {X}.", "In {Npos} room, there are {d} {P}.",
-          "{X} starts the day with {d} {P}."]
-PRODUCT_U = ["Each of {Npos} {a} {Cp} holds {b} {P}.", "{b} {P} fit in one {C}, and {X} has {a} full {Cp}.",
-             "{X} lines up {a} {Cp}, putting {b} {P} in every one."]
+# The unseen family: the same facts, events and questions in other sentence structures (passive voice, the quantity
+# or the other person first, statements turned into questions), never used for train/validation/test. Its words are
+# mostly the seen family's (the byte-level BPE trained on the train split then splits them as it did in training, so
+# the split tests wording, not spelling), and program variable names are the seen role names.
+BASE_U = ["{X} keeps {d} {P} at home.", "{d} {P} are {Npos}.", "In {Npos} house, there are {d} {P}.",
+          "{Npos} collection is {d} {P}."]
+PRODUCT_U = ["Each of {Npos} {a} {Cp} holds {b} {P}.", "{b} {P} are in each {C}, and {X} has {a} {Cp}.",
+             "{X} has {a} {Cp}, and there are {b} {P} in each one."]
 REL_U = {
-    "+": ["{B} would need {d} more {P} to match {X}.", "{X} is {d} {P} ahead of {B}.",
-          "{Npos} count of {P} is {d} above {B}'s."],
-    "-": ["{X} would need {d} more {P} to match {B}.", "{X} is {d} {P} behind {B}.",
-          "{Npos} count of {P} is {d} below {B}'s."],
-    "*": ["For every {s} {B} has, {X} has {d}.", "{B} has only {fw} of the {P} {X} has.",
-          "{Npos} {P} outnumber {B}'s by a factor of {d}."],
-    "/": ["For every {d} {P} {B} has, {X} has one.", "{B} has {d} times the {P} that {X} has.",
-          "{Npos} pile of {P} is {fw} the size of {B}'s."],
+    "+": ["{B} has to get {d} more {P} to have as many as {X}.", "{X} has all the {P} {B} has, and {d} more.",
+          "The number of {P} {X} has is {d} more than {B} has."],
+    "-": ["{X} has to get {d} more {P} to have as many as {B}.", "{B} has all the {P} {X} has, and {d} more.",
+          "The number of {P} {X} has is {d} fewer than {B} has."],
+    "*": ["{X} has {d} {P} for each {s} {B} has.", "{B}'s {P} are only {fw} of {Npos}.",
+          "The number of {P} {X} has is {d} times the number {B} has."],
+    "/": ["{X} has one {s} for each {d} {P} {B} has.", "{Npos} {P} are only {fw} of {B}'s.",
+          "{B} has {d} times the number of {P} {X} has."],
 }
 EVENT_U = {
-    "+": [("{d} more {P} are bought by {o_}.", "bought"), ("On a walk, {s_} comes across {d} more {P}.", "found"),
-          ("As a gift, {O} hands {o_} another {d} {P}.", "received"),
-          ("{S} collects {d} additional {P} from the garden.", "picked"), ("At a fair, {d} {P} are won by {o_}.", "won")],
-    "-": [("{d} of {Npos} {P} are handed over to {O}.", "given"), ("At the market, {s_} sells off {d} {P}.", "sold"),
-          ("{S} drops {d} {P} and never finds them.", "lost"), ("A charity receives {d} {P} from {o_}.", "donated"),
-          ("{S} lends {d} {P} to {O}.", "borrowed")],
-    "*": [("The number of {P} {s_} owns is then multiplied by {m}.", ""),
-          ("Thanks to a trade, the {P} {s_} owns are {mr}.", ""), ("{S} makes {pos} pile of {P} {m} times bigger.", "")],
-    "/": [("Only {fw} of {Npos} {P} are kept, and the rest are given away.", ""),
-          ("{S} divides {pos} {P} into {m} equal piles and keeps a single pile.", ""),
-          ("After giving most away, {s_} is left with {fo} the {P} {pr} had.", "")],
+    "+": [("{d} more {P} are bought by {o_}.", "bought"), ("{d} {P} are found by {o_}.", "found"),
+          ("{d} {P} are given to {o_} by {O}.", "received"), ("Then {d} more {P} are picked up by {o_}.", "picked"),
+          ("{d} {P} are won at a fair by {o_}.", "won")],
+    "-": [("{d} {P} are given to {O} by {o_}.", "given"), ("{d} of {Npos} {P} are sold.", "sold"),
+          ("On the way home, {s_} loses {d} {P}.", "lost"), ("{d} {P} are donated to the school by {o_}.", "donated"),
+          ("{d} {P} are borrowed from {o_} by {O}.", "borrowed")],
+    "*": [("Then the number of {P} {s_} has {mv}.", ""), ("{Npos} {P} are {mr} after a trade.", ""),
+          ("{S} ends up with {d} times the {P} {pr} had.", "")],
+    "/": [("{Npos} {P} are split into {m} equal groups, and {s_} keeps one group.", ""),
+          ("{S} gives away all but {fw} of {pos} {P}.", ""),
+          ("The {P} {s_} has are shared equally among {m} people, and {pr} keeps one share.", "")],
 }
-Q_FINAL_EV_U = ["Once all of this is done, what is the number of {P} {S} holds?", "What is {Npos} final count of {P}?",
-                "How many {P} are in {Npos} possession once everything is over?"]
-Q_FINAL_U = ["What is {Npos} count of {P}?", "How many {P} belong to {S}?", "Count {Npos} {P}: how many are there?"]
-Q_TOTAL_U = ["If {names} put all their {P} together, how many are there?", "Together, how many {P} belong to {names}?",
-             "What is the combined count of {P} held by {names}?"]
-Q_DIFF_U = ["By how many {P} does {A} lead {B}?", "How big is the gap between {A}'s {P} and {B}'s {P}?",
-            "How many {P} would {B} need to catch up with {A}?"]
-Q_DIV_U = [("{Npos} {P} are packed equally into {m} {Cp}. What is the number of {P} in each {C}?", "each"),
-           ("If {m} friends split {Npos} {P} evenly, how many {P} does one friend receive?", "each"),
-           ("How many groups of {m} can {S} make from {pos} {P}?", "groups")]
-Q_MUL_U = [("At {m} dollars per {s}, how many dollars does {S} make by selling all {pos} {P}?", "earned"),
-           ("A single {s} has a weight of {m} grams. What is the total weight in grams of {Npos} {P}?", "grams"),
-           ("The price of one {s} is {m} dollars. What are {Npos} {P} worth in dollars?", "worth")]
-DISTRACT_U = ["{X} turns {d} this year.", "{X} walks {d} miles to the {place} every week.",
-              "{d} {Q} are owned by {Npos} {rel}.", "{X} waits {d} minutes for a bus.", "On the windowsill sit {d} {Q}.",
-              "{X} keeps {d} {Q} in a drawer."]
+Q_FINAL_EV_U = ["At the end, what is the number of {P} {S} has?", "Now, how many {P} are {Npos}?",
+                "{S} now has how many {P}?"]
+Q_FINAL_U = ["How many {P} are {Npos}?", "{S} has how many {P}?", "What number of {P} does {S} own?"]
+Q_TOTAL_U = ["If {names} put all of their {P} together, how many {P} are there?",
+             "Altogether, {names} have how many {P}?", "In total, how many {P} are there among {names}?"]
+Q_DIFF_U = ["{A} has how many more {P} than {B}?", "How many {P} does {B} have to get to have as many as {A}?",
+            "How many more {P} are {A}'s than {B}'s?"]
+Q_DIV_U = [("{Npos} {P} are put into {m} {Cp} equally. How many {P} are in each {C}?", "each"),
+           ("If {m} friends share {Npos} {P} equally, how many {P} does each of them get?", "each"),
+           ("How many groups of {m} {P} can {S} make?", "groups")]
+Q_MUL_U = [("{S} sells all of {pos} {P} for {m} dollars each. How many dollars does {pr} earn?", "earned"),
+           ("If one {s} weighs {m} grams, how many grams do {Npos} {P} weigh in total?", "grams"),
+           ("{Npos} {P} cost {m} dollars each. How many dollars are they worth?", "worth")]
+DISTRACT_U = ["The age of {X} is {d}.", "{X} lives {d} miles from the {place}.", "{d} {Q} are owned by {Npos} {rel}.",
+              "{d} minutes are spent by {X} at the {place}.", "On the kitchen table, there are {d} {Q}.",
+              "{d} {Q} are in {Npos} bag."]
 
 
 @dataclass(frozen=True)
