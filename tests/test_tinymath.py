@@ -165,7 +165,7 @@ def test_custom_difficulty_and_bad_level():
 
 def test_write_tinymath(tmp_path):
     paths = write_tinymath(tmp_path / "tm", n_train=40, n_val=10, n_test=10, level="hard", seed=5)
-    assert set(paths) == {"train", "validation", "test", "corpus", "meta"}
+    assert set(paths) == {"train", "validation", "test", "test_unseen", "corpus", "meta"}
     assert all(p.is_file() for p in paths.values())
     splits = ("train", "validation", "test")
     rows = {s: [json.loads(line) for line in paths[s].read_text().splitlines()] for s in splits}
@@ -180,7 +180,7 @@ def test_write_tinymath(tmp_path):
     assert blocks[0] == f"user: {rows['train'][0]['prompt']}\nassistant: {rows['train'][0]['response']}"
     meta = json.loads(paths["meta"].read_text())
     assert meta["seed"] == 5 and meta["level"]["name"] == "hard" and meta["level"]["max_steps"] == 6
-    assert meta["counts"] == {"train": 40, "validation": 10, "test": 10}
+    assert meta["counts"] == {"train": 40, "validation": 10, "test": 10, "test_unseen": 10}
     again = write_tinymath(tmp_path / "tm2", n_train=40, n_val=10, n_test=10, level="hard", seed=5)
     assert all(again[k].read_bytes() == paths[k].read_bytes() for k in paths)
 

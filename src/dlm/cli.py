@@ -275,7 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("data", help="generate built-in datasets", description="Generate built-in datasets.")
     dsub = d.add_subparsers(dest="dataset", required=True, metavar="DATASET")
     t = dsub.add_parser("tinymath", help="arithmetic word problems answered by a Python function",
-                        description="Write tinymath train/validation/test jsonl ({prompt, response, answer}), a "
+                        description="Write tinymath train/validation/test jsonl ({prompt, response, answer}), "
+                        "test_unseen.jsonl (as many problems as test, worded by templates no other split uses), a "
                         "plain-text corpus view and meta.json. Deterministic by seed; splits share no question text.")
     t.add_argument("--out", required=True, help="output directory")
     t.add_argument("--level", default="medium", help="difficulty: easy | medium | hard (default: medium)")

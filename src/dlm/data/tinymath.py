@@ -1,7 +1,9 @@
 """tinymath: synthetic arithmetic word problems (TinyGSM-style) whose answer is a short Python program.
 
 Each record is ``{"prompt", "response", "answer"}``; ``response`` defines ``solution()``, which returns the integer
-``answer``. Generation is deterministic given a seed and uses only the standard library.
+``answer``. Generation is deterministic given a seed and uses only the standard library. Two phrasing families word
+the same arithmetic: ``seen`` (every training split) and ``unseen`` (only ``test_unseen``), which share no sentence
+template, so accuracy on ``test_unseen`` measures generalisation beyond the training templates (issue 17, item 6).
 """
 
 from __future__ import annotations
@@ -12,9 +14,24 @@ import random
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from string import Formatter
 
-__all__ = ["Difficulty", "LEVELS", "generate_problem", "generate_splits", "write_tinymath", "corrupt_program",
-           "run_solution", "count_steps"]
+from dlm.data.tinymath_templates import (
+    _FRAC,
+    _FRAC_OF,
+    _MRES,
+    _MULT,
+    _MVERB,
+    CONTAINERS,
+    NAMES,
+    OBJECTS,
+    PHRASINGS,
+    PLACES,
+    RELATIVES,
+)
+
+__all__ = ["Difficulty", "LEVELS", "PHRASINGS", "generate_problem", "generate_splits", "generate_unseen_test",
+           "write_tinymath", "corrupt_program", "run_solution", "count_steps"]
 
 
 @dataclass(frozen=True)
@@ -46,70 +63,16 @@ LEVELS: dict[str, Difficulty] = {
     "hard": Difficulty("hard", 4, 6, 100, ("+", "-", "*", "/"), True, 2, True, 4),
 }
 
-_F = ("Mia Emma Ava Lily Zoe Nora Ella Chloe Grace Ruby Hannah Sara Lucy Amy Julia Nina Rosa Maya Ivy Anna Kate "
-      "Leah Olivia").split()
-_M = ("Leo Tom Ben Sam Jack Noah Liam Owen Eli Luke Ryan Adam Omar Ivan Hugo Carl Dan Paul Raj Theo Finn Kai "
-      "Jake").split()
-NAMES: list[tuple[str, str]] = [(n, "f") for n in _F] + [(n, "m") for n in _M]
-OBJECTS: list[tuple[str, str]] = [(s, s + "s") for s in (
-    "apple marble sticker pencil cookie book card shell stamp coin balloon crayon flower candy cupcake muffin button "
-    "feather ribbon rock egg grape lemon bead block puzzle kite sock orange plum toy".split())] + [
-    ("peach", "peaches"), ("cherry", "cherries"), ("leaf", "leaves"), ("brush", "brushes")]
-OBJECTS = [(s, "candies" if s == "candy" else p) for s, p in OBJECTS]
-CONTAINERS = [("box", "boxes"), ("bag", "bags"), ("jar", "jars"), ("basket", "baskets"), ("pack", "packs"),
-              ("tray", "trays"), ("bucket", "buckets")]
-PLACES = ["park", "library", "school", "store", "zoo", "beach", "market", "pool"]
-RELATIVES = ["brother", "sister", "cousin", "aunt", "uncle", "neighbor", "friend"]
-_MULT = {2: "twice", 3: "three times", 4: "four times"}
-_MVERB = {2: "doubles", 3: "triples", 4: "quadruples"}
-_MRES = {2: "doubled", 3: "tripled", 4: "quadrupled"}
-_FRAC = {2: "half", 3: "a third", 4: "a quarter", 5: "a fifth"}
-_FRAC_OF = {2: "half of", 3: "one third of", 4: "one quarter of", 5: "one fifth of"}
 _PYOP = {"+": "+", "-": "-", "*": "*", "/": "//"}
+_PEOPLE = {"S", "s_", "o_", "X", "Npos", "pos", "pr", "B", "A", "O"}  # template fields naming a person
 
-BASE_T = ["{S} has {d} {P}.", "{S} owns {d} {P}.", "{S} has a collection of {d} {P}.",
-          "There are {d} {P} in {Npos} bag."]
-PRODUCT_T = ["{S} has {a} {Cp} with {b} {P} in each {C}.", "{S} fills {a} {Cp} with {b} {P} each.",
-             "{S} buys {a} {Cp} of {P}, and each {C} holds {b} {P}."]
-REL_T = {
-    "+": ["{S} has {d} more {P} than {B}.", "{S} owns {d} more {P} than {B} does.",
-          "Compared with {B}, {S} has {d} more {P}."],
-    "-": ["{S} has {d} fewer {P} than {B}.", "{S} owns {d} fewer {P} than {B} does.",
-          "Compared with {B}, {S} has {d} fewer {P}."],
-    "*": ["{S} has {mw} as many {P} as {B}.", "{S} owns {mw} as many {P} as {B} does.",
-          "{S} has {mw} the number of {P} that {B} has."],
-    "/": ["{S} has {fw} as many {P} as {B}.", "{S} owns {fw} as many {P} as {B} does.",
-          "{S} has {fo} the number of {P} that {B} has."],
-}
-EVENT_T = {  # (template, name of the amount variable for + and -)
-    "+": [("{S} buys {d} more {P}.", "bought"), ("{S} finds {d} more {P}.", "found"),
-          ("{O} gives {o_} {d} more {P}.", "received"), ("Later, {s_} picks up {d} more {P}.", "picked"),
-          ("Then {s_} wins {d} {P} at a fair.", "won")],
-    "-": [("{S} gives {d} {P} to {O}.", "given"), ("{S} sells {d} of {pos} {P}.", "sold"),
-          ("{S} loses {d} {P} on the way home.", "lost"), ("Then {s_} donates {d} {P} to the school.", "donated"),
-          ("{O} borrows {d} {P} from {o_}.", "borrowed")],
-    "*": [("{S} {mv} the number of {P} {pr} has.", ""), ("After a trade, {s_} has {mw} as many {P} as before.", ""),
-          ("A week later, {s_} has {mw} as many {P} as {pr} did.", "")],
-    "/": [("{S} splits {pos} {P} into {m} equal groups and keeps one group.", ""),
-          ("{S} keeps {fo} {pos} {P} and gives the rest away.", ""),
-          ("{S} shares {pos} {P} equally among {m} people, including {refl}, and keeps one share.", "")],
-}
-Q_FINAL_EV = ["How many {P} does {S} have now?", "How many {P} does {S} end up with?",
-              "How many {P} does {S} have at the end?", "After all this, how many {P} does {S} have?"]
-Q_FINAL = ["How many {P} does {S} have?", "How many {P} does {S} own?", "What is the number of {P} that {S} has?"]
-Q_TOTAL = ["How many {P} do {names} have in total?", "How many {P} do {names} have altogether?",
-           "How many {P} do they have combined?", "What is the total number of {P} that {names} have?"]
-Q_DIFF = ["How many more {P} does {A} have than {B}?", "How many fewer {P} does {B} have than {A}?",
-          "What is the difference between the number of {P} {A} has and the number {B} has?"]
-Q_DIV = [("If {S} packs all of {pos} {P} equally into {m} {Cp}, how many {P} go in each {C}?", "each"),
-         ("{S} shares all of {pos} {P} equally among {m} friends. How many {P} does each friend get?", "each"),
-         ("{S} puts {pos} {P} into groups of {m}. How many groups does {pr} make?", "groups")]
-Q_MUL = [("If {S} sells each {s} for {m} dollars, how many dollars does {pr} earn from all of them?", "earned"),
-         ("Each {s} weighs {m} grams. How many grams do all of {Npos} {P} weigh?", "grams"),
-         ("Each {s} costs {m} dollars. How many dollars are all of {Npos} {P} worth?", "worth")]
-DISTRACT_T = ["{X} is {d} years old.", "{X} also has {d} {Q}.", "{X}'s {rel} has {d} {Q}.",
-              "The {place} is {d} miles from {Npos} house.", "{X} spends {d} minutes at the {place}.",
-              "There are {d} {Q} on the kitchen table."]
+
+def _keeps_subject(tpl: str, phrasing: str) -> bool:
+    """Whether a sentence leaves its own person as the one a following pronoun refers to."""
+    if phrasing == "seen":  # the rule the seen data was generated with: changing it would change that data
+        return not tpl.startswith(("There", "{O}"))
+    first = next((f for _, f, _, _ in Formatter().parse(tpl) if f in _PEOPLE), None)
+    return first is not None and first not in ("B", "A", "O")
 
 
 class _Retry(Exception):
@@ -136,8 +99,8 @@ def _forms(person: tuple[str, str] | None, pronoun: bool) -> dict:
 class _Builder:
     """Builds one problem: program lines (dependency order) and prompt sentences (possibly shuffled)."""
 
-    def __init__(self, rng: random.Random, lv: Difficulty):
-        self.rng, self.lv = rng, lv
+    def __init__(self, rng: random.Random, lv: Difficulty, phrasing: str = "seen"):
+        self.rng, self.lv, self.phrasing, self.t = rng, lv, phrasing, PHRASINGS[phrasing]
         self.cap = min(10 * lv.max_number, 10_000)
         self.lines: list[str] = []
         self.used: set[str] = set()
@@ -206,7 +169,7 @@ class _Builder:
         return self.num(2, hi)
 
     def build(self) -> dict:
-        rng, lv = self.rng, self.lv
+        rng, lv, t = self.rng, self.lv, self.t
         k = rng.randint(lv.min_steps, lv.max_steps)
         obj_s, obj_p = rng.choice(OBJECTS)
         n = rng.randint(max(1, lv.max_entities - 2), lv.max_entities)
@@ -222,19 +185,19 @@ class _Builder:
                 e.value = self.apply(op, par.value, arg)
                 e.var = self.assign(own, f"{par.var} {_PYOP[op]} {arg}")
                 f = {"B": par.person[0], "d": arg, "mw": _MULT.get(arg), "fw": _FRAC.get(arg), "fo": _FRAC_OF.get(arg)}
-                facts.append((rng.choice(REL_T[op]), f, e.person, False))
+                facts.append((rng.choice(t.rel[op]), f, e.person, False))
                 steps += 1
             elif "*" in lv.operations and rng.random() < 0.2:
                 (c, cp), a = rng.choice(CONTAINERS), self.num(2, 9)
                 b = self.num(2, min(lv.max_number, self.cap // a))
                 cv, pv = self.assign((cp,), str(a)), self.assign((f"per_{c}",), str(b))
                 e.value, e.var = self.check(a * b), self.assign(own, f"{cv} * {pv}")
-                facts.append((rng.choice(PRODUCT_T), {"a": a, "b": b, "C": c, "Cp": cp}, e.person, False))
+                facts.append((rng.choice(t.product), {"a": a, "b": b, "C": c, "Cp": cp}, e.person, False))
                 steps += 1
             else:
                 e.value = self.base_value()
                 e.var = self.assign(own, str(e.value))
-                facts.append((rng.choice(BASE_T), {"d": e.value}, e.person, False))
+                facts.append((rng.choice(t.base), {"d": e.value}, e.person, False))
         if lv.shuffle_facts:
             rng.shuffle(facts)
 
@@ -258,7 +221,7 @@ class _Builder:
         for _ in range(k - steps - cost):
             e = rng.choice([ents[t] for t in targets])
             op, arg = self.pick(e.value, lv.max_number)
-            tpl, role = rng.choice(EVENT_T[op])
+            tpl, role = rng.choice(t.event[op])
             prefix = "" if n == 1 else e.person[0].lower() + "_"
             res = {"+": ("total", "now"), "-": ("left", "remaining"), "/": ("kept", "share")}.get(op, (_MRES.get(arg),))
             if op in "+-":
@@ -268,27 +231,27 @@ class _Builder:
                 e.var = self.assign(tuple(prefix + r for r in res), f"{e.var} {_PYOP[op]} {arg}")
             e.value = self.apply(op, e.value, arg)
             f = {"d": arg, "m": arg, "mw": _MULT.get(arg), "mv": _MVERB.get(arg), "fo": _FRAC_OF.get(arg),
-                 "O": rng.choice(others)[0]}
+                 "O": rng.choice(others)[0], "mr": _MRES.get(arg), "fw": _FRAC.get(arg)}
             events.append((tpl, f, e.person, True))
         subj = ents[targets[0]]
         qf = {"S": subj.person[0], "names": ", ".join(p[0] for p in people[: n - 1]) + f" and {people[n - 1][0]}"}
         if kind == "total":
             answer = self.check(sum(e.value for e in ents))
             ret = self.assign(("total",), " + ".join(e.var for e in ents))
-            q = rng.choice(Q_TOTAL)
+            q = rng.choice(t.q_total)
         elif kind == "final":
-            answer, ret, q = subj.value, subj.var, rng.choice(Q_FINAL_EV if events else Q_FINAL)
+            answer, ret, q = subj.value, subj.var, rng.choice(t.q_final_ev if events else t.q_final)
         elif kind == "diff":
             a, b = sorted((ents[t] for t in targets), key=lambda e: -e.value)
             answer, ret = self.check(a.value - b.value), self.assign(("diff",), f"{a.var} - {b.var}")
-            q, qf = rng.choice(Q_DIFF), {"A": a.person[0], "B": b.person[0]}
+            q, qf = rng.choice(t.q_diff), {"A": a.person[0], "B": b.person[0]}
         else:
             if kind == "div":
                 ms = [m for m in range(2, 11) if subj.value % m == 0 and subj.value > m]
-                q, name = rng.choice(Q_DIV)
+                q, name = rng.choice(t.q_div)
             else:
                 ms = [m for m in range(2, 11) if subj.value * m <= self.cap]
-                q, name = rng.choice(Q_MUL)
+                q, name = rng.choice(t.q_mul)
             if not ms:
                 raise _Retry
             m = rng.choice(ms)
@@ -302,7 +265,7 @@ class _Builder:
             choices = [d for d in range(2, lv.max_number + 1) if d not in self.nums]
             d = rng.choice(choices)
             self.nums.add(d)
-            tpl, x = rng.choice(DISTRACT_T), rng.choice(people)
+            tpl, x = rng.choice(t.distract), rng.choice(people)
             subject = x if tpl.startswith("{X} ") else None
             f = {"d": d, "Q": rng.choice([o for o in OBJECTS if o[1] != obj_p])[1], "rel": rng.choice(RELATIVES),
                  "place": rng.choice(PLACES), **_forms(x, False)}
@@ -312,7 +275,7 @@ class _Builder:
         for tpl, f, person, may_pronoun in body:
             pron = may_pronoun and person == prev and rng.random() < 0.6
             sentences.append(tpl.format(**{**_forms(person, pron), "P": obj_p, "s": obj_s, **f}))
-            prev = None if tpl.startswith(("There", "{O}")) else person
+            prev = person if _keeps_subject(tpl, self.phrasing) else None
         code = "def solution():\n" + "".join(f"    {line}\n" for line in self.lines) + f"    return {ret}"
         prompt = " ".join(sentences)
         steps_ok = lv.min_steps <= count_steps(code) <= lv.max_steps
@@ -345,12 +308,15 @@ def _resolve(level: str | Difficulty) -> Difficulty:
     return LEVELS[level]
 
 
-def generate_problem(rng: random.Random, level: Difficulty | str = "medium") -> dict:
-    """One problem {"prompt", "response", "answer"} drawn with `rng` at `level`."""
+def generate_problem(rng: random.Random, level: Difficulty | str = "medium", phrasing: str = "seen") -> dict:
+    """One problem {"prompt", "response", "answer"} drawn with `rng` at `level`, worded by the `phrasing` family
+    ("seen": the training templates; "unseen": held-out templates for `test_unseen`)."""
     lv = _resolve(level)
+    if phrasing not in PHRASINGS:
+        raise ValueError(f"unknown tinymath phrasing {phrasing!r}; choose from {sorted(PHRASINGS)}")
     for _ in range(1000):
         try:
-            return _Builder(rng, lv).build()
+            return _Builder(rng, lv, phrasing).build()
         except _Retry:
             continue
     raise RuntimeError(f"could not generate a problem for {lv!r}")
@@ -375,9 +341,27 @@ def generate_splits(n_train: int, n_val: int, n_test: int, level: str | Difficul
     return {"train": out["train"], "validation": out["validation"], "test": out["test"]}
 
 
+def generate_unseen_test(n: int, level: str | Difficulty = "medium", seed: int = 0) -> list[dict]:
+    """`n` distinct problems in the unseen phrasing (records carry "phrasing": "unseen"), from their own rng stream:
+    they do not depend on the seen splits' sizes, and share no sentence template with them."""
+    lv, seen, records = _resolve(level), set(), []
+    rng = random.Random(f"tinymath:{seed}:test_unseen")
+    for _ in range(50 * n + 1000):
+        if len(records) >= n:
+            break
+        rec = generate_problem(rng, lv, phrasing="unseen")
+        if rec["prompt"] not in seen:
+            seen.add(rec["prompt"])
+            records.append({**rec, "phrasing": "unseen"})
+    if len(records) < n:
+        raise RuntimeError(f"only {len(records)} distinct test_unseen problems at level {lv.name!r}")
+    return records
+
+
 def write_tinymath(out_dir, n_train: int = 20000, n_val: int = 500, n_test: int = 500,
                    level: str | Difficulty = "medium", seed: int = 0) -> dict[str, Path]:
-    """Write train/validation/test jsonl, corpus.txt and meta.json under `out_dir`; return their paths."""
+    """Write train/validation/test jsonl, test_unseen.jsonl (as many problems as test, in the held-out phrasing),
+    corpus.txt and meta.json under `out_dir`; return their paths."""
     lv, out = _resolve(level), Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     splits = generate_splits(n_train, n_val, n_test, lv, seed)
@@ -385,12 +369,16 @@ def write_tinymath(out_dir, n_train: int = 20000, n_val: int = 500, n_test: int 
     for name, records in splits.items():
         paths[name].write_text("".join(json.dumps({k: r[k] for k in ("prompt", "response", "answer")}) + "\n"
                                        for r in records))
+    paths["test_unseen"] = out / "test_unseen.jsonl"
+    unseen = generate_unseen_test(n_test, lv, seed)
+    paths["test_unseen"].write_text("".join(json.dumps(r) + "\n" for r in unseen))
     paths["corpus"] = out / "corpus.txt"
     paths["corpus"].write_text("\n\n".join(f"user: {r['prompt']}\nassistant: {r['response']}"
                                            for r in splits["train"]) + "\n")
     paths["meta"] = out / "meta.json"
     meta = {"task": "tinymath", "level": asdict(lv), "seed": seed,
-            "counts": {name: len(records) for name, records in splits.items()}}
+            "counts": {**{name: len(records) for name, records in splits.items()}, "test_unseen": len(unseen)},
+            "phrasing": {"seen": list(splits), "unseen": ["test_unseen"]}}
     paths["meta"].write_text(json.dumps(meta, indent=2) + "\n")
     return paths
 
