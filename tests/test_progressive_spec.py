@@ -19,7 +19,7 @@ def _reproducible(fn):
     torch.manual_seed(200)
     b = fn(G().manual_seed(5))
     c = fn(G().manual_seed(6))
-    for x, y, z in zip(a, b, c):
+    for x, y in zip(a, b):
         assert torch.equal(x, y)
     assert any(not torch.equal(x, z) for x, z in zip(a, c))
 
