@@ -48,8 +48,10 @@ MODULES: dict[str, list[str]] = {
     "diffusion/policies.py": ["tests/test_policies.py"],
     "diffusion/simplex.py": ["tests/test_simplex.py", "tests/test_paper_constants.py"],
     "diffusion/progressive.py": ["tests/test_progressive.py", "tests/test_pu_rules.py",
-                                 "tests/test_paper_constants.py"],
-    "training/trajectories.py": ["tests/test_progressive.py", "tests/test_block_training.py"],
+                                 "tests/test_paper_constants.py", "tests/test_progressive_spec.py",
+                                 "tests/test_trajectory_pool_spec.py"],
+    "training/trajectories.py": ["tests/test_progressive.py", "tests/test_block_training.py",
+                                 "tests/test_trajectory_pool_spec.py"],
     "sampling/autoregressive.py": ["tests/test_ar_sampler.py"],
     "sampling/masked.py": ["tests/test_masked_sampler.py", "tests/test_block_decoding.py"],
     "sampling/block_cache.py": ["tests/test_block_decoding.py"],
@@ -129,6 +131,33 @@ EXPLAINED: dict[str, str] = {
     # ---- end modeling/blocks.py ----
     #
     # ---- diffusion/progressive.py, training/trajectories.py (add entries below this line) ----
+    "diffusion.progressive.x_random_subset__mutmut_13": _INF,
+    **{f"diffusion.progressive.x_random_subset__mutmut_{i}": _DIM for i in (17, 19, 25)},
+    **{f"diffusion.progressive.x_student_forcing_ratio__mutmut_{i}": "the overflow guard moved from x < 700 to "
+       "x <= 700 / x < 701: there k/(k + e^x) < k·1e-304, so with a floor > 0 the max is the floor either way; "
+       "with floor 0 the ratio is < 1e-300 instead of 0, which the torch.rand draws it is compared with (multiples "
+       "of 2^-24) tell apart only by drawing exactly 0" for i in (16, 17)},
+    **{f"diffusion.progressive.x.StageConstruction.stage_of__mutmut_{i}": _DIM for i in (4, 8)},
+    "diffusion.progressive.x.StageConstruction.stage_of__mutmut_12": "the lower clamp at 0 dropped: the revealed "
+                                                                     "fraction is >= 0, so floor(K·frac) is too",
+    **{f"diffusion.progressive.x.StageConstruction.start__mutmut_{i}": "the fresh stage tensor built as float "
+       "zeros: it is only read as stage.float() for r, and the returned stage is stage_of's (long)" for i in (11, 13)},
+    **{f"diffusion.progressive.x.StageConstruction.step__mutmut_{i}": _DIM for i in (3, 27, 53)},
+    "diffusion.progressive.x.ThresholdConstruction.start__mutmut_1": "the default of `spread` flipped: the threshold "
+                                                                     "construction's start ignores it",
+    "diffusion.progressive.x.ThresholdConstruction.step__mutmut_36": _DIM,
+    "training.trajectories.x__widen__mutmut_1": "_widen's default fill 0 -> 1 pads the confidences (and predicted "
+                                                "tokens) beyond `width`; advance never selects those positions "
+                                                "(masked is AND-ed with inside), so the padding is never read",
+    **{f"training.trajectories.x__widen__mutmut_{i}": "x.shape[:+1] / x.shape[+1] on the 2-D [n, w] inputs: "
+       "the same as [:-1] / [-1]" for i in (2, 12, 15)},
+    **{f"training.trajectories.x.TrajectoryPool.__init____mutmut_{i}": "dtype=torch.float32 dropped from the "
+       "carry's zeros: torch's default float dtype is float32 (dlm never changes it), the same tensor"
+       for i in (66, 70)},
+    **{f"training.trajectories.x.TrajectoryPool.advance__mutmut_{i}": "the fill of keep_truth beyond `width` "
+       "(True -> False): those positions are outside `masked`, never revealed, so their value is never "
+       "committed" for i in (52, 53)},
+    **{f"training.trajectories.x.TrajectoryPool.refill__mutmut_{i}": _DIM for i in (40, 42)},
 
     # ---- end progressive/trajectories ----
     #

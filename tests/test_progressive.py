@@ -212,8 +212,9 @@ def test_carry_model_save_load_roundtrip(tmp_path):
         assert torch.allclose(back(ids, carry=carry), m(ids, carry=carry))
 
 
-def _sampler_reference(model, prompt, gen_length, eos_id, u):
-    """One prompt, top-u, carry passed literally from step to step (zero at the first)."""
+def _sampler_reference(model, prompt, gen_length, eos_id, u, seen=None):
+    """One prompt, top-u, carry passed literally from step to step (zero at the first); `seen` collects each step's
+    logits."""
     P, seq, nfe = len(prompt), list(prompt) + [MASK] * gen_length, 0
     carry = torch.zeros(1, P + gen_length, model.config.hidden_size)
     while True:
@@ -222,6 +223,8 @@ def _sampler_reference(model, prompt, gen_length, eos_id, u):
             break
         with torch.no_grad():
             logits, carry = model(torch.tensor([seq]), carry=carry, return_hidden=True)
+        if seen is not None:
+            seen.append(logits[0].clone())
         nfe += 1
         masked = [i for i in range(P, P + gen_length) if seq[i] == MASK]
         conf = {}
@@ -245,9 +248,32 @@ def test_sampler_passes_the_carry_like_the_reference():
                 p.copy_(torch.randn(p.shape, generator=g) * 0.5)
         getattr(m.backbone, CARRY_MODULE).weight.normal_(generator=g)
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14]]
+    calls = []  # (canvas, logits) of every forward the batched sampler makes
+    forward = m.forward
+
+    def spy(ids, *a, **kw):
+        out = forward(ids, *a, **kw)
+        calls.append((ids.clone(), out[0].detach().clone()))
+        return out
+
+    m.forward = spy
     out = generate(m, prompts, 10, 99, PAD, MASK, policy="top_u", reveal_count=2)
+    del m.forward
+    P = max(map(len, prompts))
     for p, toks, nfe in zip(prompts, out.tokens, out.nfe):
-        assert (toks, nfe) == _sampler_reference(m, p, 10, 99, 2)
+        seen = []
+        assert (toks, nfe) == _sampler_reference(m, p, 10, 99, 2, seen)
+        # the numbers, not only the tokens picked from them: each step's logits of this row (left-padded in the
+        # batch, finished rows dropped) equal the one-prompt reference's, carry included; index 0 is left out, it
+        # predicts nothing under label shift (`align_logits` gives it an unused output, a pad's in a padded row).
+        # Padding changes float rounding, and this random carry layer amplifies it ~4x a step (2.8e-3 at step 5 of
+        # logits ~10): a misplaced or stale carry moves them by units.
+        padded = torch.tensor([PAD] * (P - len(p)) + p)
+        for k, want in enumerate(seen):
+            ids, logits = calls[k]
+            row = [r for r in range(len(ids)) if torch.equal(ids[r, :P], padded)]
+            assert len(row) == 1, (p, k)
+            assert torch.allclose(logits[row[0], P - len(p) + 1:], want[1:], rtol=1e-3, atol=1e-2), (p, k)
     # the carry matters: without it (fresh layer) the outputs differ
     with torch.no_grad():
         getattr(m.backbone, CARRY_MODULE).weight.zero_()
