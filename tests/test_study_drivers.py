@@ -1,0 +1,132 @@
+"""The pre-registered study drivers (issue 17): benchmarks/pumba_study.py end to end on a tiny model, the committed
+plans resolve to runnable recipes, W=1 with its carry zeroed is exactly a carry-less model, and the report generator
+turns a table into a results section."""
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from dlm.evaluation.study import Plan, StudyError, StudyTable
+from tests.conftest import perturb, tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+PLANS = sorted((ROOT / "benchmarks" / "plans").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", PLANS, ids=[p.stem for p in PLANS])
+def test_committed_plans_resolve_to_runnable_recipes(path, tmp_path):
+    import pumba_study
+
+    plan = Plan.load(path)
+    pumba_study.check_plan(plan)
+    assert plan.seeds == (0, 1, 2) and plan.settings["comparisons"]
+    for arm in plan.arms:
+        spec = plan.settings["arm_specs"][arm]
+        if "recipe" in spec:
+            recipe = pumba_study.recipe_for(plan, arm, 0, tmp_path / arm)
+            assert recipe.train.steps == spec["updates"] and recipe.train.seed == 0
+            assert recipe.model.init_from == plan.settings["starts"][spec["init"]]["path"]
+
+
+def test_table2_controls_match_the_windows_denoiser_passes(tmp_path):
+    import pumba_study
+
+    plan = Plan.load(ROOT / "benchmarks" / "plans" / "pumba-table2.yaml")
+    passes = {}
+    for arm in plan.arms:
+        spec = plan.settings["arm_specs"][arm]
+        if "recipe" in spec:
+            r = pumba_study.recipe_for(plan, arm, 1, tmp_path / arm)
+            passes[arm] = r.train.steps * pumba_study.passes_per_update(r)
+    assert passes["mdm2"] == passes["w2"] and passes["mdm4"] == passes["w4"] and passes["mdm8"] == passes["w8"]
+    assert passes["mdm"] == passes["pu"] == passes["w1"] == passes["ar"] == 200
+
+
+def test_zeroed_carry_is_a_carry_less_model():
+    """w1-zero-carry: zeroing the carry LayerNorm makes the carry input exactly 0 (Eq. 3.1), whatever the carry."""
+    import pumba_study
+
+    from dlm.modeling.carry import CARRY_MODULE
+
+    with_carry = perturb(tiny_model(40, attention="bidirectional", family="masked", carry=True, mask_token_id=39))
+    norm = getattr(with_carry.backbone, CARRY_MODULE)
+    with torch.no_grad():
+        norm.weight.normal_()
+        norm.bias.normal_()
+    plain = tiny_model(40, attention="bidirectional", family="masked", mask_token_id=39)
+    state = {k: v for k, v in with_carry.state_dict().items() if CARRY_MODULE not in k}
+    plain.load_state_dict(state)
+    ids = torch.randint(0, 39, (2, 12), generator=torch.Generator().manual_seed(0))
+    ids[:, 6:] = 39
+    carry = torch.randn(2, 12, with_carry.config.hidden_size, generator=torch.Generator().manual_seed(1)) * 3
+    with torch.no_grad():
+        reference = plain(ids)
+        assert (with_carry(ids, carry=carry) - reference).abs().max() > 1e-2  # the carry matters before
+        pumba_study.zero_carry_(with_carry)
+        torch.testing.assert_close(with_carry(ids, carry=carry), reference, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="no carry layer"):
+        pumba_study.zero_carry_(plain)
+
+
+def _smoke_plan(tmp_path, warm, data, w1_updates=2):
+    small = ["data.level=easy", "data.n_train=64", "data.n_validation=4", "data.n_test=6", "model.max_length=160", "model.label_shift=false", "train.batch_size=4",
+             "train.checkpoint_every=1", "train.log_every=1", "eval.n=2", "eval.test_n=2", "eval.max_new_tokens=16",
+             "eval.batch_size=4"]
+    plan = {"name": "smoke", "arms": ["mdm", "w1"], "seeds": [0], "evals": ["u=4", "u=4/unseen"],
+            "settings": {"data": str(data), "n": 3, "max_new_tokens": 16, "eval_batch_size": 4,
+                         "starts": {"warm_start": {"path": str(warm), "commands": ["(test fixture)"]}},
+                         "overrides": small,
+                         "arm_specs": {"mdm": {"recipe": "recipes/tinymath/mdm.yaml", "init": "warm_start",
+                                               "updates": 2},
+                                       "w1": {"recipe": "recipes/tinymath/pumba-w1.yaml", "init": "warm_start",
+                                              "updates": w1_updates}},
+                         "comparisons": [{"a": "w1", "b": "mdm", "eval": "u=4", "claim": "smoke"}]}}
+    path = tmp_path / f"smoke-{w1_updates}.yaml"
+    path.write_text(yaml.safe_dump(plan))
+    return path
+
+
+def test_pumba_study_smoke_run_resumes_and_refuses_a_changed_plan(tmp_path, monkeypatch, capsys):
+    import pumba_study
+
+    from dlm.config import load_recipe
+    from dlm.training import loop
+
+    data = tmp_path / "data"
+    warm = loop.train(load_recipe(ROOT / "recipes" / "tinymath" / "mdm.yaml", [
+        f"data.dir={data}", "data.level=easy", "data.n_train=64", "data.n_validation=4", "data.n_test=6",
+        "model.init_from=null", "model.preset=tiny", "model.vocab_size=300", "model.max_length=160",
+        "model.label_shift=false", "train.batch_size=4", "train.steps=1", "eval.n=2", "eval.test_n=2",
+        "eval.max_new_tokens=16", f"out_dir={tmp_path / 'warm'}"]), progress=False)
+    plan, table_path, runs = _smoke_plan(tmp_path, warm, data), tmp_path / "smoke.json", tmp_path / "runs"
+
+    first = pumba_study.run(plan, table_path, runs, max_minutes=0)  # stops after the first cell
+    assert first == {"cells": 1, "stopped": True, "waiting": []}
+    cell = json.loads(table_path.read_text())["cells"][0]
+    assert (cell["arm"], cell["seed"], cell["eval"], cell["n"]) == ("mdm", 0, "u=4", 3)
+    assert len(cell["correct"]) == 3 and cell["updates"] == 2 and cell["passes"] == 2 and cell["train_seconds"] > 0
+
+    second = pumba_study.run(plan, table_path, runs)
+    assert second["cells"] == 1 and second["waiting"] == ["u=4/unseen"]  # w1 u=4; the split is not there yet
+    assert "u=4/unseen: waiting for" in capsys.readouterr().out
+    shutil.copy(data / "test.jsonl", data / "test_unseen.jsonl")
+    monkeypatch.setattr(loop, "train", lambda *a, **k: pytest.fail("a trained arm was trained again"))
+    third = pumba_study.run(plan, table_path, runs)
+    assert third == {"cells": 2, "stopped": False, "waiting": []}
+    table = StudyTable(table_path, Plan.load(plan))
+    assert table.cell("mdm", 0, "u=4") == cell and list(table.missing()) == []
+    assert table.pins["warm_start"] and table.cell("w1", 0, "u=4")["model"] != cell["model"]
+    assert table.cell("w1", 0, "u=4/unseen")["problems"] == cell["problems"]  # the same problems (a copy)
+    assert pumba_study.run(plan, table_path, runs)["cells"] == 0  # nothing redone
+
+    with pytest.raises(StudyError, match="another plan"):  # w1 given more updates: a new plan, refused
+        pumba_study.run(_smoke_plan(tmp_path, warm, data, w1_updates=3), table_path, runs)
+    with pytest.raises(StudyError, match="only orders or limits"):
+        pumba_study.run(plan, table_path, runs, seeds=[0, 5])
