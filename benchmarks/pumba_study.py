@@ -99,6 +99,17 @@ def recipe_for(plan, arm: str, seed: int, run_dir: Path):
     return load_recipe(recipe if recipe.is_absolute() else ROOT / recipe, overrides)
 
 
+def recipe_digest(plan, arm: str) -> str:
+    """Identifies what a trained arm's recipe resolves to (seed and output left out): a recipe file edited after
+    the first cell changes it, and the driver then refuses new cells of that arm."""
+    import hashlib
+
+    from dlm.config import dump_recipe
+
+    text = dump_recipe(recipe_for(plan, arm, 0, Path("RUN")))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 def passes_per_update(recipe) -> int:
     """Denoiser forward passes per optimizer update: W for progressive unmasking (Algorithm 1), else 1."""
     return recipe.progressive.window if recipe.train.objective == "pu" else 1
@@ -217,7 +228,7 @@ def run(plan_path, json_path=None, runs=None, seeds=None, max_minutes=None) -> d
             raise StudyError(f"{path}: start '{name}' not found; build it with the commands under settings.starts."
                              f"{name} in {plan.source}")
         table.pin(name, fingerprint(resolve_model_dir(path)))
-    added, waiting = 0, []
+    added, waiting, recipes = 0, [], {}
     for seed in order:
         for arm in plan.arms:
             todo = [k for k in plan.evals if not table.has(arm, seed, k)]
@@ -237,6 +248,15 @@ def run(plan_path, json_path=None, runs=None, seeds=None, max_minutes=None) -> d
                             None)
                 extra = {"train_seconds": record["train_seconds"], "updates": record["updates"],
                          "passes": record["passes"], "model": weights, "decode": signature}
+                trained = specs[arm].get("model_of", arm)
+                if "recipe" in specs[trained]:
+                    extra["recipe"] = recipes.setdefault(trained, recipe_digest(plan, trained))
+                    other = next((c for c in table.cells if c["arm"] == arm and c.get("recipe") != extra["recipe"]),
+                                 None)
+                    if other is not None:
+                        raise StudyError(f"{plan.source}: arm {arm!r} now resolves to recipe {extra['recipe']} but "
+                                         f"its seed-{other['seed']} cells came from {other.get('recipe')}; a recipe "
+                                         f"file changed after the first cell: restore it or start a new plan")
                 if twin is not None:
                     result = {"samples": [{"correct": c} for c in twin["correct"]], "mean_nfe": twin.get("mean_nfe"),
                               "ms_per_problem": twin.get("ms_per_problem")}
@@ -257,8 +277,8 @@ def run(plan_path, json_path=None, runs=None, seeds=None, max_minutes=None) -> d
     return {"cells": added, "stopped": False, "waiting": waiting}
 
 
-def main(argv=None, default_plan: str = "benchmarks/plans/pumba-table2.yaml") -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None, description: str = __doc__, default_plan: str = "benchmarks/plans/pumba-table2.yaml") -> None:
+    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--plan", default=default_plan, help="pre-registered plan (default: %(default)s)")
     ap.add_argument("--json", help="the study table (default: docs/results/<plan name>.json)")
     ap.add_argument("--runs", help="where arms are trained (default: runs/<plan name>)")
