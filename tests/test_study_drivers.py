@@ -76,7 +76,8 @@ def test_zeroed_carry_is_a_carry_less_model():
 
 
 def _smoke_plan(tmp_path, warm, data, w1_updates=2):
-    small = ["data.level=easy", "data.n_train=64", "data.n_validation=4", "data.n_test=6", "model.max_length=160", "model.label_shift=false", "train.batch_size=4",
+    small = ["data.level=easy", "data.n_train=64", "data.n_validation=4", "data.n_test=6", "model.max_length=160",
+             "model.label_shift=false", "train.batch_size=4",
              "train.checkpoint_every=1", "train.log_every=1", "eval.n=2", "eval.test_n=2", "eval.max_new_tokens=16",
              "eval.batch_size=4"]
     plan = {"name": "smoke", "arms": ["mdm", "w1"], "seeds": [0], "evals": ["u=4", "u=4/unseen"],
@@ -130,3 +131,66 @@ def test_pumba_study_smoke_run_resumes_and_refuses_a_changed_plan(tmp_path, monk
         pumba_study.run(_smoke_plan(tmp_path, warm, data, w1_updates=3), table_path, runs)
     with pytest.raises(StudyError, match="only orders or limits"):
         pumba_study.run(plan, table_path, runs, seeds=[0, 5])
+
+
+REPORT_PLAN = """name: synthetic
+arms: [a, b, c]
+seeds: [0, 1, 2]
+evals: [u=2, u=8]
+settings:
+  comparisons:
+    - {a: a, b: b, eval: u=2, claim: "a above b"}
+    - {a: b, b: c, eval: u=2, claim: "b above c"}
+    - {a: c, b: a, eval: u=2, claim: "c above a"}
+    - {a: a, b: c, eval: u=8, claim: "a above c at u=8"}
+"""
+
+
+def test_study_report_writes_the_marked_section_from_a_synthetic_table(tmp_path):
+    import statistics
+
+    import numpy as np
+    import study_report
+
+    from dlm.evaluation.stats import compare_seeds, format_seed_comparison
+
+    plan_path = tmp_path / "synthetic.yaml"
+    plan_path.write_text(REPORT_PLAN)
+    plan = Plan.load(plan_path)
+    table = StudyTable(tmp_path / "synthetic.json", plan)
+    rng = np.random.default_rng(0)
+    share = {"a": 0.8, "b": 0.5, "c": 0.5}
+    outcomes = {}
+    for seed in (0, 1, 2):
+        for arm in ("a", "b", "c"):
+            for key in ("u=2", "u=8"):
+                if (arm, seed, key) == ("c", 2, "u=8"):
+                    continue  # one missing cell
+                correct = (rng.random(200) < share[arm]).tolist()
+                outcomes[arm, seed, key] = correct
+                table.add(arm, seed, key, {"mean_nfe": 34.0 if key == "u=2" else 9.0,
+                                           "samples": [{"correct": x} for x in correct]},
+                          problems="p", updates=200, passes=400 if arm == "a" else 200, train_seconds=10.0 + seed)
+    doc = tmp_path / "doc.md"
+    doc.write_text("# Hand-written title\n\nA reading that must stay.\n")
+    out = str(doc)
+    for _ in range(2):  # regenerating replaces the section, once
+        study_report.main([str(plan_path), "--json", str(tmp_path / "synthetic.json"), "--out", out,
+                           "--plot", str(tmp_path / "p.png")])
+    text = doc.read_text()
+    assert text.startswith("# Hand-written title\n\nA reading that must stay.\n")
+    assert text.count(study_report.BEGIN) == 1 and text.count(study_report.END) == 1
+    acc = [sum(outcomes["a", s, "u=2"]) / 200 for s in (0, 1, 2)]
+    want = (f"{100 * statistics.mean(acc):.1f} ± {100 * statistics.stdev(acc):.1f} "
+            f"[{', '.join(f'{100 * x:.1f}' for x in acc)}]")
+    row = next(line for line in text.splitlines() if line.startswith("| a | 200 | 400 | 11 | 3/3 |"))
+    assert want in row
+    assert "| c | 200 | 200 | 11 | 2/3 |" in text  # seed 2 lacks u=8
+    lines = {line.split(" | ")[1]: line for line in text.splitlines() if line.startswith("| ") and " vs " in line}
+    result = compare_seeds([outcomes["a", s, "u=2"] for s in (0, 1, 2)], [outcomes["b", s, "u=2"] for s in (0, 1, 2)])
+    assert format_seed_comparison(result) in lines["a vs b @ u=2"] and "**holds**" in lines["a vs b @ u=2"]
+    assert "**not shown" in lines["b vs c @ u=2"]
+    assert "**opposite**" in lines["c vs a @ u=2"]
+    assert "**holds (provisional: 2 of 3 seeds)**" in lines["a vs c @ u=8"]
+    assert "Missing cells (1):\n- seed 2: c (u=8)" in text and "Seeds complete: 0, 1 of 0, 1, 2" in text
+    assert (tmp_path / "p.png").stat().st_size > 10_000
