@@ -194,3 +194,15 @@ def test_study_report_writes_the_marked_section_from_a_synthetic_table(tmp_path)
     assert "**holds (provisional: 2 of 3 seeds)**" in lines["a vs c @ u=8"]
     assert "Missing cells (1):\n- seed 2: c (u=8)" in text and "Seeds complete: 0, 1 of 0, 1, 2" in text
     assert (tmp_path / "p.png").stat().st_size > 10_000
+
+
+def test_random_initial_masking_is_refused_where_it_would_do_nothing():
+    """The stage construction never reads progressive.random_initial_masking (only the threshold construction does):
+    a PU+ ablation on it would silently train the reference arm."""
+    from dlm.config import RecipeError, load_recipe
+
+    with pytest.raises(RecipeError, match="random_initial_masking is for construction 'threshold'"):
+        load_recipe(ROOT / "recipes" / "tinymath" / "pu.yaml", ["progressive.random_initial_masking=true"])
+    r = load_recipe(ROOT / "recipes" / "tinymath" / "pu.yaml",
+                    ["progressive.random_initial_masking=true", "progressive.construction=threshold"])
+    assert r.progressive.random_initial_masking
