@@ -248,6 +248,11 @@ def run(plan_path, json_path=None, runs=None, seeds=None, max_minutes=None) -> d
                             None)
                 extra = {"train_seconds": record["train_seconds"], "updates": record["updates"],
                          "passes": record["passes"], "model": weights, "decode": signature}
+                other = next((c for c in table.cells if c["arm"] == arm and c["seed"] == seed
+                              and c.get("model") != weights), None)
+                if other is not None:  # retrained in a later session and not bitwise the same
+                    print(f"warning: {arm} seed {seed} was retrained and its weights differ from those of its "
+                          f"{other['eval']} cell ({weights} vs {other.get('model')}); the report flags it", flush=True)
                 trained = specs[arm].get("model_of", arm)
                 if "recipe" in specs[trained]:
                     extra["recipe"] = recipes.setdefault(trained, recipe_digest(plan, trained))

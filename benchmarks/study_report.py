@@ -104,6 +104,11 @@ def section(table, plan_path: str, json_path: str, out: str, plot: str | None = 
         if r["n_seeds"] < len(plan.seeds):
             v += f" (provisional: {r['n_seeds']} of {len(plan.seeds)} seeds)"
         lines.append(f"| {c.get('claim', '')} | {where} | {format_seed_comparison(r)} | **{v}** |")
+    mixed = sorted({(c["arm"], c["seed"]) for c in table.cells for d in table.cells
+                    if (c["arm"], c["seed"]) == (d["arm"], d["seed"]) and c.get("model") != d.get("model")})
+    if mixed:
+        lines += ["", "Cells of one (arm, seed) from different weights (retrained in a later session, not bitwise "
+                  "equal): " + ", ".join(f"{a} seed {s}" for a, s in mixed) + "."]
     missing: dict[int, dict[str, list[str]]] = {}
     for arm, seed, key in table.missing():
         missing.setdefault(seed, {}).setdefault(arm, []).append(key)

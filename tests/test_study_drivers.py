@@ -170,7 +170,8 @@ def test_study_report_writes_the_marked_section_from_a_synthetic_table(tmp_path)
                 outcomes[arm, seed, key] = correct
                 table.add(arm, seed, key, {"mean_nfe": 34.0 if key == "u=2" else 9.0,
                                            "samples": [{"correct": x} for x in correct]},
-                          problems="p", updates=200, passes=400 if arm == "a" else 200, train_seconds=10.0 + seed)
+                          problems="p", updates=200, passes=400 if arm == "a" else 200, train_seconds=10.0 + seed,
+                          model="retrained" if (arm, seed, key) == ("b", 1, "u=8") else f"{arm}{seed}")
     doc = tmp_path / "doc.md"
     doc.write_text("# Hand-written title\n\nA reading that must stay.\n")
     out = str(doc)
@@ -193,6 +194,7 @@ def test_study_report_writes_the_marked_section_from_a_synthetic_table(tmp_path)
     assert "**opposite**" in lines["c vs a @ u=2"]
     assert "**holds (provisional: 2 of 3 seeds)**" in lines["a vs c @ u=8"]
     assert "Missing cells (1):\n- seed 2: c (u=8)" in text and "Seeds complete: 0, 1 of 0, 1, 2" in text
+    assert "not bitwise equal): b seed 1." in text  # two weights behind one (arm, seed)
     assert (tmp_path / "p.png").stat().st_size > 10_000
 
 
@@ -206,3 +208,22 @@ def test_random_initial_masking_is_refused_where_it_would_do_nothing():
     r = load_recipe(ROOT / "recipes" / "tinymath" / "pu.yaml",
                     ["progressive.random_initial_masking=true", "progressive.construction=threshold"])
     assert r.progressive.random_initial_masking
+
+
+def test_two_drivers_fill_one_table_without_losing_cells(tmp_path):
+    """One driver per core on the same table: each write takes in the cells the other wrote."""
+    plan_path = tmp_path / "synthetic.yaml"
+    plan_path.write_text(REPORT_PLAN)
+    plan = Plan.load(plan_path)
+    one, two = StudyTable(tmp_path / "t.json", plan), StudyTable(tmp_path / "t.json", plan)
+    result = {"samples": [{"correct": True}, {"correct": False}]}
+    one.pin("warm_start", "abc")
+    one.add("a", 0, "u=2", result, problems="p")
+    two.add("b", 1, "u=2", result, problems="p")
+    one.add("c", 2, "u=8", result, problems="p")
+    with pytest.raises(StudyError, match="already exists"):
+        two.add("a", 0, "u=2", result, problems="p")  # written by the other driver
+    with pytest.raises(StudyError, match="warm_start"):
+        two.pin("warm_start", "def")
+    cells = json.loads((tmp_path / "t.json").read_text())["cells"]
+    assert sorted((c["arm"], c["seed"]) for c in cells) == [("a", 0), ("b", 1), ("c", 2)]
