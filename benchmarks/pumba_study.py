@@ -164,18 +164,24 @@ def split_file(plan, split: str) -> Path:
     return Path(plan.settings["data"]) / ("test.jsonl" if split == "test" else f"test_{split}.jsonl")
 
 
-def evaluate_cell(plan, model_dir: Path, key: str, seed: int, zero_carry: bool = False) -> tuple[dict, list[dict]]:
-    """One evaluation of a saved model: (result with per-problem samples, the records scored)."""
+def split_records(plan, split: str) -> list[dict]:
+    """The first n problems of a split (test.jsonl, or test_SPLIT.jsonl)."""
     from dlm.data.sources import DataError, read_jsonl
+
+    path = split_file(plan, split)
+    records = read_jsonl(path, required=("prompt", "response"))[: plan.settings["n"]]
+    if any("answer" not in r for r in records):
+        raise DataError(f"{path}: every record needs an 'answer' field to be graded")
+    return records
+
+
+def evaluate_cell(plan, model_dir: Path, key: str, records: list[dict], seed: int, zero_carry: bool = False) -> dict:
+    """One evaluation of a saved model on `records`, with per-problem samples."""
     from dlm.evaluation.tasks import evaluate
     from dlm.sampling import MaskedOptions, load_for_inference
 
     s = plan.settings
-    name, value, split = parse_eval(key, plan.source)
-    path = split_file(plan, split)
-    records = read_jsonl(path, required=("prompt", "response"))[: s["n"]]
-    if any("answer" not in r for r in records):
-        raise DataError(f"{path}: every record needs an 'answer' field to be graded")
+    name, value, _ = parse_eval(key, plan.source)
     model, tok = load_for_inference(model_dir)
     if zero_carry:
         zero_carry_(model)
@@ -185,24 +191,39 @@ def evaluate_cell(plan, model_dir: Path, key: str, seed: int, zero_carry: bool =
         max_new = s.get("max_new_tokens", 72)
         options = (MaskedOptions(policy="top_u", reveal_count=value) if name == "u" else
                    MaskedOptions(policy="threshold", confidence_threshold=value, block_size=s.get("block_size", 32)))
-    result = evaluate(model, tok, records, options, batch_size=s.get("eval_batch_size", 50), max_new_tokens=max_new,
-                      seed=seed)
-    return result, records
+    return evaluate(model, tok, records, options, batch_size=s.get("eval_batch_size", 50), max_new_tokens=max_new,
+                    seed=seed)
 
 
-def decode_signature(plan, model_dir: Path, key: str, zero_carry: bool) -> str:
+def decode_signature(plan, model_dir: Path, key: str, problems: str, zero_carry: bool) -> str:
     """What determines a greedy evaluation's outcomes besides the weights: equal signatures on equal weights give
     equal outcomes, so such a cell is copied instead of decoded again (the warm start in every seed; AR under every
     key)."""
     from dlm.modeling.spec import ModelSpec
 
-    name, value, split = parse_eval(key, plan.source)
+    name, value, _ = parse_eval(key, plan.source)
     s = plan.settings
     family = ModelSpec.load(model_dir).family if ModelSpec.exists(model_dir) else "autoregressive"
     if family == "autoregressive":
-        return f"ar/{split}/n={s['n']}/max={s.get('ar_max_new_tokens', 96)}"
+        return f"ar/problems={problems}/max={s.get('ar_max_new_tokens', 96)}"
     block = f"/block={s.get('block_size', 32)}" if name == "tau" else ""
-    return f"{name}={value}{block}/{split}/n={s['n']}/max={s.get('max_new_tokens', 72)}/zero_carry={zero_carry}"
+    return f"{name}={value}{block}/problems={problems}/max={s.get('max_new_tokens', 72)}/zero_carry={zero_carry}"
+
+
+def check_arm(plan, table, arm: str, recipes: dict) -> str | None:
+    """The arm's recipe digest, refused when its earlier cells came from another (a recipe file edited since)."""
+    from dlm.evaluation.study import StudyError
+
+    trained = plan.settings["arm_specs"][arm].get("model_of", arm)
+    if "recipe" not in plan.settings["arm_specs"][trained]:
+        return None
+    digest = recipes.setdefault(trained, recipe_digest(plan, trained))
+    other = next((c for c in table.cells if c["arm"] == arm and c.get("recipe") != digest), None)
+    if other is not None:
+        raise StudyError(f"{plan.source}: arm {arm!r} now resolves to recipe {digest} but its seed-{other['seed']} "
+                         f"cells came from {other.get('recipe')}; a recipe file changed after the first cell: "
+                         "restore it or start a new plan")
+    return digest
 
 
 # ---- the driver -------------------------------------------------------------------------------------------------
@@ -231,47 +252,45 @@ def run(plan_path, json_path=None, runs=None, seeds=None, max_minutes=None) -> d
     added, waiting, recipes = 0, [], {}
     for seed in order:
         for arm in plan.arms:
-            todo = [k for k in plan.evals if not table.has(arm, seed, k)]
-            for key in todo:
-                split = split_file(plan, parse_eval(key)[2])
-                if not split.is_file():
+            for key in [k for k in plan.evals if not table.has(arm, seed, k)]:
+                split = parse_eval(key)[2]
+                if not split_file(plan, split).is_file():
                     if key not in waiting:
-                        print(f"{key}: waiting for {split} (split not generated yet); its cells are left for a later "
-                              "run", flush=True)
+                        print(f"{key}: waiting for {split_file(plan, split)} (split not generated yet); its cells "
+                              "are left for a later run", flush=True)
                         waiting.append(key)
                     continue
+                records = split_records(plan, split)
+                problems = problems_digest(records)
+                earlier = next((c for c in table.cells if c["eval"] == key and c["problems"] != problems), None)
+                if earlier is not None:
+                    raise StudyError(f"{split_file(plan, split)}: its first {len(records)} problems changed since "
+                                     f"the {key} cells were scored ({earlier['problems']} then, {problems} now); "
+                                     "regenerate the data as the plan's starts did, or start a new plan")
+                recipe = check_arm(plan, table, arm, recipes)
                 model_dir, record = trained_model(plan, arm, seed, runs)
                 zero = bool(specs[arm].get("zero_carry"))
                 weights = fingerprint(model_dir)
-                signature = decode_signature(plan, model_dir, key, zero)
-                twin = next((c for c in table.cells if c.get("model") == weights and c.get("decode") == signature),
-                            None)
-                extra = {"train_seconds": record["train_seconds"], "updates": record["updates"],
-                         "passes": record["passes"], "model": weights, "decode": signature}
-                other = next((c for c in table.cells if c["arm"] == arm and c["seed"] == seed
+                other = next((c for c in table.cells if (c["arm"], c["seed"]) == (arm, seed)
                               and c.get("model") != weights), None)
                 if other is not None:  # retrained in a later session and not bitwise the same
                     print(f"warning: {arm} seed {seed} was retrained and its weights differ from those of its "
                           f"{other['eval']} cell ({weights} vs {other.get('model')}); the report flags it", flush=True)
-                trained = specs[arm].get("model_of", arm)
-                if "recipe" in specs[trained]:
-                    extra["recipe"] = recipes.setdefault(trained, recipe_digest(plan, trained))
-                    other = next((c for c in table.cells if c["arm"] == arm and c.get("recipe") != extra["recipe"]),
-                                 None)
-                    if other is not None:
-                        raise StudyError(f"{plan.source}: arm {arm!r} now resolves to recipe {extra['recipe']} but "
-                                         f"its seed-{other['seed']} cells came from {other.get('recipe')}; a recipe "
-                                         f"file changed after the first cell: restore it or start a new plan")
-                if twin is not None:
+                signature = decode_signature(plan, model_dir, key, problems, zero)
+                extra = {"train_seconds": record["train_seconds"], "updates": record["updates"],
+                         "passes": record["passes"], "model": weights, "decode": signature,
+                         **({"recipe": recipe} if recipe else {})}
+                twin = next((c for c in table.cells if c.get("model") == weights and c.get("decode") == signature),
+                            None)
+                if twin is not None:  # greedy decoding of the same weights on the same problems
                     result = {"samples": [{"correct": c} for c in twin["correct"]], "mean_nfe": twin.get("mean_nfe"),
                               "ms_per_problem": twin.get("ms_per_problem")}
-                    problems, extra["copied_from"] = twin["problems"], [twin["arm"], twin["seed"], twin["eval"]]
+                    extra["copied_from"] = [twin["arm"], twin["seed"], twin["eval"]]
                 else:
-                    result, records = evaluate_cell(plan, model_dir, key, seed, zero)
-                    problems = problems_digest(records)
+                    result = evaluate_cell(plan, model_dir, key, records, seed, zero)
                 cell = table.add(arm, seed, key, result, problems=problems, **extra)
                 added += 1
-                print(f"seed {seed} {arm:14s} {key:10s} accuracy {100 * cell['accuracy']:5.1f} % | NFE "
+                print(f"seed {seed} {arm:14s} {key:14s} accuracy {100 * cell['accuracy']:5.1f} % | NFE "
                       f"{cell.get('mean_nfe') or 0:5.1f}{' (copied)' if twin else ''}", flush=True)
                 if max_minutes is not None and time.time() - t0 >= 60 * max_minutes:
                     print(f"stopped after {(time.time() - t0) / 60:.1f} min (--max-minutes {max_minutes}); "

@@ -127,6 +127,13 @@ def test_pumba_study_smoke_run_resumes_and_refuses_a_changed_plan(tmp_path, monk
     assert table.cell("w1", 0, "u=4/unseen")["problems"] == cell["problems"]  # the same problems (a copy)
     assert pumba_study.run(plan, table_path, runs)["cells"] == 0  # nothing redone
 
+    data_json = json.loads(table_path.read_text())  # drop one cell, then change the split under it
+    data_json["cells"] = [c for c in data_json["cells"] if (c["arm"], c["eval"]) != ("w1", "u=4/unseen")]
+    table_path.write_text(json.dumps(data_json))
+    lines = (data / "test_unseen.jsonl").read_text().splitlines(keepends=True)
+    (data / "test_unseen.jsonl").write_text("".join(lines[::-1]))
+    with pytest.raises(StudyError, match="problems changed since the u=4/unseen cells"):
+        pumba_study.run(plan, table_path, runs)
     with pytest.raises(StudyError, match="another plan"):  # w1 given more updates: a new plan, refused
         pumba_study.run(_smoke_plan(tmp_path, warm, data, w1_updates=3), table_path, runs)
     with pytest.raises(StudyError, match="only orders or limits"):
