@@ -118,7 +118,7 @@ def passes_per_update(recipe) -> int:
 # ---- training and evaluation ------------------------------------------------------------------------------------
 def trained_model(plan, arm: str, seed: int, runs: Path) -> tuple[Path, dict]:
     """(model directory, training record) of an arm in one seed, training it first unless already done."""
-    from dlm.evaluation.study import fingerprint
+    from dlm.evaluation.study import StudyError, fingerprint
     from dlm.training.loop import train
 
     spec = plan.settings["arm_specs"][arm]
@@ -131,7 +131,11 @@ def trained_model(plan, arm: str, seed: int, runs: Path) -> tuple[Path, dict]:
     run = runs / f"seed{seed}" / arm
     record_file = run / "study_train.json"
     if record_file.is_file() and (run / "model" / "config.json").is_file():
-        return run / "model", json.loads(record_file.read_text())
+        record = json.loads(record_file.read_text())
+        if record["updates"] != spec["updates"]:
+            raise StudyError(f"{run}: trained for {record['updates']} updates, the plan gives {arm} "
+                             f"{spec['updates']}; use another --runs for this plan")
+        return run / "model", record
     recipe = recipe_for(plan, arm, seed, run)
     resume = (run / "checkpoints" / "latest").is_file()
     print(f"== seed {seed}: training {arm} ({recipe.train.steps} updates{', resumed' if resume else ''})",

@@ -136,6 +136,8 @@ def test_pumba_study_smoke_run_resumes_and_refuses_a_changed_plan(tmp_path, monk
         pumba_study.run(plan, table_path, runs)
     with pytest.raises(StudyError, match="another plan"):  # w1 given more updates: a new plan, refused
         pumba_study.run(_smoke_plan(tmp_path, warm, data, w1_updates=3), table_path, runs)
+    with pytest.raises(StudyError, match="trained for 2 updates, the plan gives w1 3"):  # nor its trained runs
+        pumba_study.run(_smoke_plan(tmp_path, warm, data, w1_updates=3), tmp_path / "new.json", runs)
     with pytest.raises(StudyError, match="only orders or limits"):
         pumba_study.run(plan, table_path, runs, seeds=[0, 5])
 
