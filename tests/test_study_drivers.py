@@ -17,7 +17,8 @@ from tests.conftest import perturb, tiny_model
 pytestmark = pytest.mark.usefixtures("one_thread")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-PLANS = sorted((ROOT / "benchmarks" / "plans").glob("*.yaml"))
+PLANS = [ROOT / "benchmarks" / "plans" / f"{name}.yaml"  # the plans this driver runs
+         for name in ("pumba-table2", "block-long", "pumba-bridges", "pumba-ablations")]
 
 
 @pytest.mark.parametrize("path", PLANS, ids=[p.stem for p in PLANS])
