@@ -108,6 +108,7 @@ def test_pumba_study_smoke_run_resumes_and_refuses_a_changed_plan(tmp_path, monk
         "model.label_shift=false", "train.batch_size=4", "train.steps=1", "eval.n=2", "eval.test_n=2",
         "eval.max_new_tokens=16", f"out_dir={tmp_path / 'warm'}"]), progress=False)
     plan, table_path, runs = _smoke_plan(tmp_path, warm, data), tmp_path / "smoke.json", tmp_path / "runs"
+    (data / "test_unseen.jsonl").unlink(missing_ok=True)  # the unseen split arrives later in this test
 
     first = pumba_study.run(plan, table_path, runs, max_minutes=0)  # stops after the first cell
     assert first == {"cells": 1, "stopped": True, "waiting": []}
