@@ -1,153 +1,327 @@
-"""PUMBA's controlled study (Table 2), reproduced on tinymath in its Post-SFT form (§4): every method continues one
-shared warm start (an AR-initialised masked model) for the same number of optimizer updates; MDM ×2 gets twice the
-updates (the denoiser passes of W=2). Each arm is trained (skipped if its model exists), then evaluated with top-u at
-every u on the same test problems; results go to a JSON table and two plots.
+"""Run a pre-registered study plan (issue 17): PUMBA's Table 2 in its Post-SFT form and its ablations on tinymath.
 
-    python benchmarks/pumba_study.py --warm-start runs/medium-mdm-cont --out-dir runs/pumba-study \\
-        --data runs/calib-ar-medium/data --steps 200 --arms pu,mdm,w1,w2,mdm2,w4 --u 2,8,4,16,1 --n 100 \\
-        --json docs/results/pumba-tinymath.json --plot docs/results/pumba-tinymath.png
+    OMP_NUM_THREADS=1 python benchmarks/pumba_study.py --plan benchmarks/plans/pumba-table2.yaml --max-minutes 300
 
-Arms: warm (the warm start itself, evaluated only), ar (AR continuation of --ar-start), mdm, mdm2 (MDM ×2 updates),
-pu, w1, w2, w4, w8 (PU + carry, BPTT window W).
+The plan (benchmarks/plans/*.yaml) fixes, before anything runs, the arms, the seeds, the evaluations and every
+setting; this driver only carries it out. For each seed (seed-major, in the plan's order or --seeds') and each arm
+(in the plan's order) it trains the arm into RUNS/seed<s>/<arm> (resumed from its last checkpoint when one is there)
+and then runs every missing evaluation of that (arm, seed), adding one cell per evaluation to the table (--json,
+default docs/results/<plan>.json): per-problem outcomes, NFE, training seconds, updates, denoiser passes and the
+model's fingerprint. The table refuses cells from a changed plan and starts (warm start, AR parent) whose weights
+differ from the pinned ones, so a study spans sessions: rebuild the starts with the plan's commands, rerun the same
+command, and it continues where the committed table stopped. Nothing on the command line changes what a cell means:
+updates, learning rates, problems and decoding all come from the plan.
+
+Plan settings read here:
+  starts:     {name: {path, commands}}: saved models arms start from or evaluate; each is fingerprinted and pinned
+  data:       tinymath directory (test.jsonl; test_unseen.jsonl for evaluations ending in /unseen)
+  n, eval_batch_size, max_new_tokens (masked canvas), ar_max_new_tokens, block_size (threshold evaluations)
+  overrides:  recipe overrides every trained arm shares (`dlm train --set` syntax)
+  arm_specs:  {arm: {recipe, init: <start>, updates, set: [...]}}   a trained arm
+              {arm: {model: <start>}}                                 evaluate a start as it is
+              {arm: {model_of: <arm>, zero_carry: true}}              evaluate another arm's model, carry zeroed
+  comparisons: [{a, b, eval, claim}]: the claims the results doc reports (benchmarks/study_report.py)
+Evaluation keys: u=N (top-u), tau=X (Fast-dLLM threshold, left to right in blocks of block_size), optionally /SPLIT
+(test_SPLIT.jsonl); greedy, the first n problems. An autoregressive arm decodes greedily under every key.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
-ARMS = {
-    "warm": (None, 0, "warm start (0 updates)"),
-    "ar": ("recipes/tinymath/ar.yaml", 1, "AR"),
-    "mdm": ("recipes/tinymath/mdm.yaml", 1, "MDM"),
-    "mdm2": ("recipes/tinymath/mdm.yaml", 2, "MDM ×2"),
-    "pu": ("recipes/tinymath/pu.yaml", 1, "PU"),
-    # PU trained before passes were cut to the batch's longest canvas: every row padded to 144 tokens, all attended
-    "pu-fullwidth": ("recipes/tinymath/pu.yaml", 1, "PU (canvas padded to 144)"),
-    "w1": ("recipes/tinymath/pumba-w1.yaml", 1, "PU + carry, W=1"),
-    "w2": ("recipes/tinymath/pumba-w2.yaml", 1, "PU + carry, W=2"),
-    "w4": ("recipes/tinymath/pumba-w4.yaml", 1, "PU + carry, W=4"),
-    "w8": ("recipes/tinymath/pumba-w8.yaml", 1, "PU + carry, W=8"),
-}
+ROOT = Path(__file__).resolve().parents[1]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--warm-start", required=True, help="masked model (run dir) every diffusion arm continues")
-    ap.add_argument("--ar-start", default=None, help="AR run the AR arm continues (default: the warm start's init)")
-    ap.add_argument("--data", required=True, help="tinymath directory (train/validation/test jsonl)")
-    ap.add_argument("--out-dir", default="runs/pumba-study")
-    ap.add_argument("--steps", type=int, default=200, help="optimizer updates per arm (MDM ×2: twice)")
-    ap.add_argument("--lr", type=float, default=3e-4)
-    ap.add_argument("--arms", default="mdm,pu,w1,w2,mdm2,w4")
-    ap.add_argument("--u", default="1,2,4,8,16")
-    ap.add_argument("--n", type=int, default=300, help="test problems for the u sweep (u=2 uses the run's own "
-                    "end-of-training evaluation on the whole test split)")
-    ap.add_argument("--max-new-tokens", type=int, default=72)
-    ap.add_argument("--json", default="docs/results/pumba-tinymath.json")
-    ap.add_argument("--plot", default="docs/results/pumba-tinymath.png")
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
+# ---- the plan ---------------------------------------------------------------------------------------------------
+def check_plan(plan) -> None:
+    """Every arm has a spec, every evaluation key parses, every comparison names planned arms and evaluations."""
+    from dlm.evaluation.study import StudyError
 
+    s, where = plan.settings, plan.source
+    specs, starts = s.get("arm_specs") or {}, s.get("starts") or {}
+    for field in ("data", "n", "starts", "arm_specs"):
+        if field not in s:
+            raise StudyError(f"{where}: settings.{field} is missing (see benchmarks/pumba_study.py's docstring)")
+    for arm in plan.arms:
+        spec = specs.get(arm)
+        if not isinstance(spec, dict):
+            raise StudyError(f"{where}: arm {arm!r} has no entry in settings.arm_specs")
+        if "recipe" in spec:
+            if spec.get("init") not in starts or not isinstance(spec.get("updates"), int):
+                raise StudyError(f"{where}: arm {arm!r} needs init (one of settings.starts {sorted(starts)}) and an "
+                                 "integer updates")
+        elif "model" in spec:
+            if spec["model"] not in starts:
+                raise StudyError(f"{where}: arm {arm!r} evaluates model {spec['model']!r}, not in settings.starts")
+        elif spec.get("model_of") not in plan.arms or "recipe" not in specs.get(spec.get("model_of"), {}):
+            raise StudyError(f"{where}: arm {arm!r} needs recipe, model or model_of (a trained arm of the plan)")
+    for key in plan.evals:
+        parse_eval(key, where)
+    for c in s.get("comparisons") or []:
+        if c.get("a") not in plan.arms or c.get("b") not in plan.arms or c.get("eval") not in plan.evals:
+            raise StudyError(f"{where}: comparison {c} must name two planned arms (a, b) and a planned eval")
+
+
+def parse_eval(key: str, where: str = "plan") -> tuple[str, float, str]:
+    """'u=2/unseen' -> ('u', 2, 'unseen'); 'tau=0.9' -> ('tau', 0.9, 'test')."""
+    from dlm.evaluation.study import StudyError
+
+    head, _, split = key.partition("/")
+    name, _, value = head.partition("=")
+    try:
+        number = int(value) if name == "u" else float(value)
+    except ValueError:
+        number = None
+    if name not in ("u", "tau") or number is None or number <= 0:
+        raise StudyError(f"{where}: evaluation {key!r} is not u=N or tau=X, optionally followed by /SPLIT")
+    return name, number, split or "test"
+
+
+def start_path(plan, name: str) -> Path:
+    return Path(plan.settings["starts"][name]["path"])
+
+
+def recipe_for(plan, arm: str, seed: int, run_dir: Path):
+    """The validated recipe of a trained arm in one seed: the arm's recipe, the plan's shared overrides, the arm's
+    own, then what the plan fixes (start, data, updates, seed, output)."""
     from dlm.config import load_recipe
-    from dlm.evaluation.run import evaluate_model
-    from dlm.sampling import MaskedOptions
+
+    s, spec = plan.settings, plan.settings["arm_specs"][arm]
+    recipe = Path(spec["recipe"])
+    overrides = [*(s.get("overrides") or []), *(spec.get("set") or []),
+                 f"model.init_from={start_path(plan, spec['init'])}", f"data.dir={s['data']}",
+                 f"train.steps={spec['updates']}", f"train.seed={seed}", f"out_dir={run_dir}",
+                 f"name={plan.name}-{arm}-seed{seed}"]
+    return load_recipe(recipe if recipe.is_absolute() else ROOT / recipe, overrides)
+
+
+def recipe_digest(plan, arm: str) -> str:
+    """Identifies what a trained arm's recipe resolves to (seed and output left out): a recipe file edited after
+    the first cell changes it, and the driver then refuses new cells of that arm."""
+    import hashlib
+
+    from dlm.config import dump_recipe
+
+    text = dump_recipe(recipe_for(plan, arm, 0, Path("RUN")))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def passes_per_update(recipe) -> int:
+    """Denoiser forward passes per optimizer update: W for progressive unmasking (Algorithm 1), else 1."""
+    return recipe.progressive.window if recipe.train.objective == "pu" else 1
+
+
+# ---- training and evaluation ------------------------------------------------------------------------------------
+def trained_model(plan, arm: str, seed: int, runs: Path) -> tuple[Path, dict]:
+    """(model directory, training record) of an arm in one seed, training it first unless already done."""
+    from dlm.evaluation.study import StudyError, fingerprint
     from dlm.training.loop import train
 
-    out = Path(args.out_dir)
-    us = [int(u) for u in args.u.split(",")]
-    table = json.loads(Path(args.json).read_text()) if Path(args.json).is_file() else {"rows": []}
-    table.update({k: getattr(args, k) for k in ("warm_start", "data", "steps", "lr", "n", "max_new_tokens", "seed")})
-    done = {(r["arm"], r["u"]) for r in table["rows"] if r.get("n") == args.n}
-    table["rows"] = [r for r in table["rows"] if r.get("n") == args.n]
-    arms = args.arms.split(",")
-    # Phase 1: train every arm (each ends with a top-u, u=2 evaluation of the first --n test problems).
-    for arm in arms:
-        recipe_path, mult, label = ARMS[arm]
-        if recipe_path is None:
-            continue
-        run = out / arm
-        ar = arm == "ar"
-        init = (args.ar_start or _init_of(args.warm_start)) if ar else args.warm_start
-        overrides = [f"model.init_from={init}", "model.max_length=144", "train.batch_size=32", "optim.warmup_steps=20",
-                     "train.checkpoint_every=50", "train.log_every=10", "eval.n=100",
-                     f"eval.max_new_tokens={96 if ar else args.max_new_tokens}", f"eval.test_n={args.n}",
-                     f"data.dir={args.data}", "data.level=medium", f"train.steps={args.steps * mult}",
-                     f"optim.lr={args.lr}", f"train.seed={args.seed}", f"out_dir={run}", f"name=study-{arm}"]
-        if not (run / "model" / "config.json").is_file():
-            t0 = time.time()
-            print(f"== training {arm} ({label}) ==", flush=True)
-            train(load_recipe(recipe_path, overrides), resume=(run / "checkpoints" / "latest").is_file(),
-                  progress=False)
-            (run / "train_seconds.txt").write_text(f"{time.time() - t0:.1f}\n")
-    # Phase 2: the u sweep, one u at a time across arms (the most informative values first).
-    for u in us:
-        for arm in arms:
-            _, _, label = ARMS[arm]
-            run = Path(args.warm_start) if arm == "warm" else out / arm
-            if (arm, u) in done or (arm == "ar" and u != us[0]):
-                continue
-            final = json.loads((run / "eval.json").read_text()) if (run / "eval.json").is_file() else None
-            if final is not None and final["eval/n"] == args.n and (arm == "ar" or u == 2):
-                res = {"accuracy": final["eval/accuracy"], "mean_nfe": final["eval/mean_nfe"], "n": final["eval/n"],
-                       "ms_per_problem": final["eval/ms_per_problem"], "trivial_baseline": None}
-            else:
-                res = evaluate_model(run, data=Path(args.data) / "test.jsonl", n=args.n,
-                                     options=MaskedOptions(policy="top_u", reveal_count=u), batch_size=50,
-                                     max_new_tokens=96 if arm == "ar" else args.max_new_tokens, progress=False)
-            seconds = run / "train_seconds.txt"
-            row = {"arm": arm, "label": label, "u": 1 if arm == "ar" else u, "n": res["n"], "accuracy": res["accuracy"],
-                   "mean_nfe": res["mean_nfe"], "ms_per_problem": res["ms_per_problem"],
-                   "train_seconds": float(seconds.read_text()) if seconds.is_file() else None}
-            table["rows"].append(row)
-            print(f"{label:18s} u={row['u']:2d}: accuracy {100 * res['accuracy']:5.1f}% | NFE {res['mean_nfe']:5.1f}",
-                  flush=True)
-            Path(args.json).write_text(json.dumps(table, indent=2) + "\n")
-            plot(table, args.plot)
-    Path(args.json).write_text(json.dumps(table, indent=2) + "\n")
-    plot(table, args.plot)
+    spec = plan.settings["arm_specs"][arm]
+    if "model" in spec:
+        from dlm.modeling.backbone import resolve_model_dir
+
+        return resolve_model_dir(start_path(plan, spec["model"])), {"updates": 0, "passes": 0, "train_seconds": 0.0}
+    if "model_of" in spec:
+        return trained_model(plan, spec["model_of"], seed, runs)
+    run = runs / f"seed{seed}" / arm
+    record_file = run / "study_train.json"
+    if record_file.is_file() and (run / "model" / "config.json").is_file():
+        record = json.loads(record_file.read_text())
+        if record["updates"] != spec["updates"]:
+            raise StudyError(f"{run}: trained for {record['updates']} updates, the plan gives {arm} "
+                             f"{spec['updates']}; use another --runs for this plan")
+        return run / "model", record
+    recipe = recipe_for(plan, arm, seed, run)
+    resume = (run / "checkpoints" / "latest").is_file()
+    print(f"== seed {seed}: training {arm} ({recipe.train.steps} updates{', resumed' if resume else ''})",
+          flush=True)
+    t0 = time.time()
+    train(recipe, resume=resume, progress=False)
+    record = {"updates": recipe.train.steps, "passes": recipe.train.steps * passes_per_update(recipe),
+              "train_seconds": round(time.time() - t0, 1), "resumed": resume,
+              "fingerprint": fingerprint(run / "model")}
+    record_file.write_text(json.dumps(record, indent=1) + "\n")
+    return run / "model", record
 
 
-def _init_of(run: str) -> str:
-    import yaml
+def zero_carry_(model) -> None:
+    """Make the carry input exactly zero: LayerNorm(h) with zero weight and bias is 0 for every h (PUMBA Eq. 3.1),
+    so the model computes what its backbone computes without a carry."""
+    import torch
 
-    return yaml.safe_load((Path(run) / "recipe.yaml").read_text())["model"]["init_from"]
+    from dlm.modeling.carry import CARRY_MODULE
+
+    norm = getattr(model.backbone, CARRY_MODULE, None)
+    if norm is None:
+        raise ValueError("zero_carry: this model has no carry layer")
+    with torch.no_grad():
+        norm.weight.zero_()
+        norm.bias.zero_()
 
 
-def plot(table: dict, path: str) -> None:
-    import matplotlib
+def split_file(plan, split: str) -> Path:
+    return Path(plan.settings["data"]) / ("test.jsonl" if split == "test" else f"test_{split}.jsonl")
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
-    arms = []
-    for r in table["rows"]:
-        if r["arm"] not in arms:
-            arms.append(r["arm"])
-    for arm in arms:
-        rows = sorted((r for r in table["rows"] if r["arm"] == arm), key=lambda r: r["u"])
-        label = rows[0]["label"]
-        if arm == "ar":
-            for ax in (a, b):
-                ax.axhline(100 * rows[0]["accuracy"], color="k", ls="--", lw=1,
-                           label=f"AR ({100 * rows[0]['accuracy']:.1f} %)")
-            continue
-        a.plot([r["u"] for r in rows], [100 * r["accuracy"] for r in rows], marker="o", label=label)
-        b.plot([r["mean_nfe"] for r in rows], [100 * r["accuracy"] for r in rows], marker="o", label=label)
-    a.set_xscale("log", base=2)
-    a.set_xlabel("u (tokens revealed per step, top-u)")
-    b.set_xlabel("mean NFE per problem")
-    for ax in (a, b):
-        ax.set_ylabel("test accuracy (%)")
-        ax.grid(alpha=0.3)
-    a.legend(fontsize=8)
-    fig.suptitle(f"tinymath medium, Post-SFT continuations of {table['steps']} updates (n={table['n']})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+def split_records(plan, split: str) -> list[dict]:
+    """The first n problems of a split (test.jsonl, or test_SPLIT.jsonl)."""
+    from dlm.data.sources import DataError, read_jsonl
+
+    path = split_file(plan, split)
+    records = read_jsonl(path, required=("prompt", "response"))[: plan.settings["n"]]
+    if any("answer" not in r for r in records):
+        raise DataError(f"{path}: every record needs an 'answer' field to be graded")
+    return records
+
+
+def evaluate_cell(plan, model_dir: Path, key: str, records: list[dict], seed: int, zero_carry: bool = False) -> dict:
+    """One evaluation of a saved model on `records`, with per-problem samples."""
+    from dlm.evaluation.tasks import evaluate
+    from dlm.sampling import MaskedOptions, load_for_inference
+
+    s = plan.settings
+    name, value, _ = parse_eval(key, plan.source)
+    model, tok = load_for_inference(model_dir)
+    if zero_carry:
+        zero_carry_(model)
+    if model.spec.family == "autoregressive":
+        options, max_new = None, s.get("ar_max_new_tokens", 96)
+    else:
+        max_new = s.get("max_new_tokens", 72)
+        options = (MaskedOptions(policy="top_u", reveal_count=value) if name == "u" else
+                   MaskedOptions(policy="threshold", confidence_threshold=value, block_size=s.get("block_size", 32)))
+    return evaluate(model, tok, records, options, batch_size=s.get("eval_batch_size", 50), max_new_tokens=max_new,
+                    seed=seed)
+
+
+def decode_signature(plan, model_dir: Path, key: str, problems: str, zero_carry: bool) -> str:
+    """What determines a greedy evaluation's outcomes besides the weights: equal signatures on equal weights give
+    equal outcomes, so such a cell is copied instead of decoded again (the warm start in every seed; AR under every
+    key)."""
+    from dlm.modeling.spec import ModelSpec
+
+    name, value, _ = parse_eval(key, plan.source)
+    s = plan.settings
+    family = ModelSpec.load(model_dir).family if ModelSpec.exists(model_dir) else "autoregressive"
+    if family == "autoregressive":
+        return f"ar/problems={problems}/max={s.get('ar_max_new_tokens', 96)}"
+    block = f"/block={s.get('block_size', 32)}" if name == "tau" else ""
+    return f"{name}={value}{block}/problems={problems}/max={s.get('max_new_tokens', 72)}/zero_carry={zero_carry}"
+
+
+def check_arm(plan, table, arm: str, recipes: dict) -> str | None:
+    """The arm's recipe digest, refused when its earlier cells came from another (a recipe file edited since)."""
+    from dlm.evaluation.study import StudyError
+
+    trained = plan.settings["arm_specs"][arm].get("model_of", arm)
+    if "recipe" not in plan.settings["arm_specs"][trained]:
+        return None
+    digest = recipes.setdefault(trained, recipe_digest(plan, trained))
+    other = next((c for c in table.cells if c["arm"] == arm and c.get("recipe") != digest), None)
+    if other is not None:
+        raise StudyError(f"{plan.source}: arm {arm!r} now resolves to recipe {digest} but its seed-{other['seed']} "
+                         f"cells came from {other.get('recipe')}; a recipe file changed after the first cell: "
+                         "restore it or start a new plan")
+    return digest
+
+
+# ---- the driver -------------------------------------------------------------------------------------------------
+def run(plan_path, json_path=None, runs=None, seeds=None, max_minutes=None) -> dict:
+    """Carry out a plan (see the module docstring); returns {'cells': added, 'stopped': bool, 'waiting': [...]}."""
+    from dlm.evaluation.study import Plan, StudyError, StudyTable, fingerprint, problems_digest
+    from dlm.modeling.backbone import resolve_model_dir
+
+    t0 = time.time()
+    plan = Plan.load(plan_path)
+    check_plan(plan)
+    table = StudyTable(json_path or ROOT / "docs" / "results" / f"{plan.name}.json", plan)
+    runs = Path(runs or Path("runs") / plan.name)
+    order = list(plan.seeds) if seeds is None else list(seeds)
+    stray = [x for x in order if x not in plan.seeds]
+    if stray:
+        raise StudyError(f"--seeds {stray} not in the plan's seeds {list(plan.seeds)}; --seeds only orders or limits")
+    specs = plan.settings["arm_specs"]
+    for name in dict.fromkeys(spec.get("init") or spec.get("model") for spec in specs.values()
+                              if spec.get("init") or spec.get("model")):
+        path = start_path(plan, name)
+        if not path.is_dir():
+            raise StudyError(f"{path}: start '{name}' not found; build it with the commands under settings.starts."
+                             f"{name} in {plan.source}")
+        table.pin(name, fingerprint(resolve_model_dir(path)))
+    added, waiting, recipes = 0, [], {}
+    for seed in order:
+        for arm in plan.arms:
+            for key in [k for k in plan.evals if not table.has(arm, seed, k)]:
+                split = parse_eval(key)[2]
+                if not split_file(plan, split).is_file():
+                    if key not in waiting:
+                        print(f"{key}: waiting for {split_file(plan, split)} (split not generated yet); its cells "
+                              "are left for a later run", flush=True)
+                        waiting.append(key)
+                    continue
+                records = split_records(plan, split)
+                problems = problems_digest(records)
+                earlier = next((c for c in table.cells if c["eval"] == key and c["problems"] != problems), None)
+                if earlier is not None:
+                    raise StudyError(f"{split_file(plan, split)}: its first {len(records)} problems changed since "
+                                     f"the {key} cells were scored ({earlier['problems']} then, {problems} now); "
+                                     "regenerate the data as the plan's starts did, or start a new plan")
+                recipe = check_arm(plan, table, arm, recipes)
+                model_dir, record = trained_model(plan, arm, seed, runs)
+                zero = bool(specs[arm].get("zero_carry"))
+                weights = fingerprint(model_dir)
+                other = next((c for c in table.cells if (c["arm"], c["seed"]) == (arm, seed)
+                              and c.get("model") != weights), None)
+                if other is not None:  # retrained in a later session and not bitwise the same
+                    print(f"warning: {arm} seed {seed} was retrained and its weights differ from those of its "
+                          f"{other['eval']} cell ({weights} vs {other.get('model')}); the report flags it", flush=True)
+                signature = decode_signature(plan, model_dir, key, problems, zero)
+                extra = {"train_seconds": record["train_seconds"], "updates": record["updates"],
+                         "passes": record["passes"], "model": weights, "decode": signature,
+                         **({"recipe": recipe} if recipe else {})}
+                twin = next((c for c in table.cells if c.get("model") == weights and c.get("decode") == signature),
+                            None)
+                if twin is not None:  # greedy decoding of the same weights on the same problems
+                    result = {"samples": [{"correct": c} for c in twin["correct"]], "mean_nfe": twin.get("mean_nfe"),
+                              "ms_per_problem": twin.get("ms_per_problem")}
+                    extra["copied_from"] = [twin["arm"], twin["seed"], twin["eval"]]
+                else:
+                    result = evaluate_cell(plan, model_dir, key, records, seed, zero)
+                cell = table.add(arm, seed, key, result, problems=problems, **extra)
+                added += 1
+                print(f"seed {seed} {arm:14s} {key:14s} accuracy {100 * cell['accuracy']:5.1f} % | NFE "
+                      f"{cell.get('mean_nfe') or 0:5.1f}{' (copied)' if twin else ''}", flush=True)
+                if max_minutes is not None and time.time() - t0 >= 60 * max_minutes:
+                    print(f"stopped after {(time.time() - t0) / 60:.1f} min (--max-minutes {max_minutes}); "
+                          f"{added} cells added this run; rerun to continue", flush=True)
+                    return {"cells": added, "stopped": True, "waiting": waiting}
+    left = sum(1 for _ in table.missing())
+    print(f"{added} cells added; {left} cells of the plan still missing", flush=True)
+    return {"cells": added, "stopped": False, "waiting": waiting}
+
+
+def main(argv=None, description: str = __doc__, default_plan: str = "benchmarks/plans/pumba-table2.yaml") -> None:
+    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--plan", default=default_plan, help="pre-registered plan (default: %(default)s)")
+    ap.add_argument("--json", help="the study table (default: docs/results/<plan name>.json)")
+    ap.add_argument("--runs", help="where arms are trained (default: runs/<plan name>)")
+    ap.add_argument("--seeds", help="comma-separated subset of the plan's seeds, run in this order (a limit or an "
+                    "order only: the table always holds the plan's seeds)")
+    ap.add_argument("--max-minutes", type=float, help="stop after the cell (with the training it needed) that "
+                    "crosses this many minutes; the table keeps every finished cell")
+    args = ap.parse_args(argv)
+    from dlm.errors import DlmError
+
+    try:
+        run(args.plan, args.json, args.runs, [int(x) for x in args.seeds.split(",")] if args.seeds else None,
+            args.max_minutes)
+    except DlmError as e:
+        sys.exit(f"error: {e}")
 
 
 if __name__ == "__main__":

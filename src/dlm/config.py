@@ -188,6 +188,9 @@ class ProgressiveConfig(_Strict):
             raise ValueError(f"stages_end ({self.stages_end}) < stages_start ({self.stages_start})")
         if self.bridge != "none" and self.carry:
             raise ValueError("a discrete bridge replaces the carry: set carry: false with bridge")
+        if self.random_initial_masking and self.construction == "stages":  # it would be silently ignored
+            raise ValueError("random_initial_masking is for construction 'threshold' (the stages construction already "
+                             "starts each trajectory at a random stage): set construction: threshold or drop it")
         return self
 
 

@@ -16,6 +16,8 @@ so a study interrupted anywhere resumes where it stopped, in this session or a l
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -135,26 +137,52 @@ class StudyTable:
     # -- writing ---------------------------------------------------------------------------------------------------
     def pin(self, name: str, value: str) -> None:
         """Record a value every cell depends on (e.g. the warm start's fingerprint); a different value later refuses."""
-        old = self.pins.get(name)
-        if old is not None and old != value:
-            raise StudyError(f"{self.path}: pinned {name} is {old} but this run has {value}; the cells so far came "
-                             f"from another {name}, so new cells would not be comparable")
-        self.pins[name] = value
-        self._write()
+        with self._locked():
+            old = self.pins.get(name)
+            if old is not None and old != value:
+                raise StudyError(f"{self.path}: pinned {name} is {old} but this run has {value}; the cells so far "
+                                 f"came from another {name}, so new cells would not be comparable")
+            self.pins[name] = value
+            self._write()
 
     def add(self, arm: str, seed: int, key: str, result: Mapping, *, problems: str, **extra) -> dict:
         """Store one evaluation (a `dlm.evaluation.tasks.evaluate` result with its per-problem `samples`)."""
         self._check(arm, seed, key)
-        if self.has(arm, seed, key):
-            raise StudyError(f"{self.path}: cell ({arm}, seed {seed}, {key}) already exists")
         correct = [bool(s["correct"]) for s in result["samples"]]
         cell = {"arm": arm, "seed": seed, "eval": key, "n": len(correct),
                 "accuracy": sum(correct) / max(len(correct), 1), "problems": problems,
                 "correct": [int(c) for c in correct],
                 **{k: result[k] for k in ("mean_nfe", "ms_per_problem") if k in result}, **extra}
-        self.cells.append(cell)
-        self._write()
+        with self._locked():
+            if self.has(arm, seed, key):
+                raise StudyError(f"{self.path}: cell ({arm}, seed {seed}, {key}) already exists")
+            self.cells.append(cell)
+            self._write()
         return cell
+
+    @contextlib.contextmanager
+    def _locked(self):
+        """Hold the table's directory lock and take in what other processes wrote since: two drivers (e.g. one per
+        seed, one per core) can fill one table without losing each other's cells."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path.parent, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if self.path.is_file():
+                data = json.loads(self.path.read_text())
+                if data.get("plan_digest") != self.plan.digest:
+                    raise StudyError(f"{self.path}: rewritten under another plan (digest {data.get('plan_digest')}) "
+                                     "while this run was filling it")
+                for name, value in data.get("pins", {}).items():
+                    if self.pins.setdefault(name, value) != value:
+                        raise StudyError(f"{self.path}: pinned {name} is {value} on disk but {self.pins[name]} here")
+                ours = [c for c in self.cells if not any(c["arm"] == d["arm"] and c["seed"] == d["seed"]
+                                                         and c["eval"] == d["eval"] for d in data.get("cells", []))]
+                self.cells = data.get("cells", []) + ours
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
 
     def _check(self, arm: str, seed: int, key: str) -> None:
         if arm not in self.plan.arms:

@@ -1,0 +1,205 @@
+"""Write a results doc's numbers from a pre-registered study table (issue 17): accuracy mean ± sd over seeds per arm
+and evaluation (with the per-seed values), NFE, seeds done, every comparison the plan lists with its paired CI and
+p-value and a verdict, the cells still missing, and a plot.
+
+    python benchmarks/study_report.py benchmarks/plans/pumba-table2.yaml --out docs/results/pumba-tinymath.md \\
+        --plot docs/results/pumba-table2.png
+
+The numbers go between `<!-- study:begin -->` and `<!-- study:end -->` in --out; everything outside the markers (the
+hand-written reading) is kept. A doc without the markers gets the section appended; a missing doc is created.
+
+Verdict of a comparison "a above b" (settings.comparisons): **holds** when the 95 % CI of the difference excludes 0
+on the claimed side and every seed's difference has that sign; **not shown** when the CI includes 0 (or the seeds
+disagree); **opposite** when the CI excludes 0 on the other side. With fewer seeds than the plan's the verdict is
+marked provisional.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import re
+import sys
+from pathlib import Path
+
+BEGIN, END = "<!-- study:begin -->", "<!-- study:end -->"
+
+
+def verdict(result: dict) -> str:
+    if result["low"] > 0:
+        return "holds" if result["consistent"] else "not shown (seeds disagree)"
+    if result["high"] < 0:
+        return "opposite"
+    return "not shown"
+
+
+def _pct(x: float | None) -> str:
+    return "–" if x is None else f"{100 * x:.1f}"
+
+
+def _arm_cells(table, arm: str) -> dict[int, dict]:
+    """One cell per seed (the first) for an arm's per-seed training facts."""
+    out = {}
+    for c in table.cells:
+        if c["arm"] == arm:
+            out.setdefault(c["seed"], c)
+    return out
+
+
+def section(table, plan_path: str, json_path: str, out: str, plot: str | None = None) -> str:
+    """The generated markdown between the markers."""
+    from dlm.evaluation.stats import format_seed_comparison
+    from dlm.evaluation.study import StudyError
+
+    plan = table.plan
+    lines = [BEGIN, f"<!-- written by benchmarks/study_report.py from {json_path}; edit outside the markers -->", ""]
+    done = [s for s in plan.seeds if all(table.has(a, s, k) for a in plan.arms for k in plan.evals)]
+    pins = ", ".join(f"{k} `{v}`" for k, v in table.pins.items()) or "none yet"
+    lines += [f"Plan [`{Path(plan_path).name}`]({_rel(plan_path, out)}) (digest `{plan.digest}`), table "
+              f"[`{Path(json_path).name}`]({_rel(json_path, out)}), {len(table.cells)} of "
+              f"{len(plan.arms) * len(plan.seeds) * len(plan.evals)} cells, generated "
+              f"{datetime.date.today().isoformat()}. Seeds complete: "
+              f"{', '.join(map(str, done)) or 'none'} of {', '.join(map(str, plan.seeds))}. Pinned starts: {pins}.",
+              ""]
+    n = {k: next((c["n"] for c in table.cells if c["eval"] == k), None) for k in plan.evals}
+    lines += ["Accuracy (%), mean ± sd over seeds, per-seed values in brackets (seed order "
+              f"{', '.join(map(str, plan.seeds))}); n = problems per evaluation.", ""]
+    head = ["arm", "updates", "denoiser passes", "train s (mean)", "seeds"] + [f"{k} (n={n[k] or '–'})"
+                                                                              for k in plan.evals]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for arm in plan.arms:
+        per_seed = _arm_cells(table, arm)
+        first = next(iter(per_seed.values()), {})
+        secs = [c.get("train_seconds") for c in per_seed.values() if c.get("train_seconds") is not None]
+        row = [arm, str(first.get("updates", "–")), str(first.get("passes", "–")),
+               f"{sum(secs) / len(secs):.0f}" if secs else "–",
+               f"{sum(all(table.has(arm, s, k) for k in plan.evals) for s in plan.seeds)}/{len(plan.seeds)}"]
+        for k in plan.evals:
+            s = table.summary(arm, k)
+            if s["mean"] is None:
+                row.append("–")
+                continue
+            sd = f" ± {_pct(s['sd'])}" if s["sd"] is not None else ""
+            row.append(f"{_pct(s['mean'])}{sd} [{', '.join(_pct(x) for x in s['per_seed'])}]")
+        lines.append("| " + " | ".join(row) + " |")
+    lines += ["", "Mean NFE per problem (mean over seeds):", "", "| arm | " + " | ".join(plan.evals) + " |",
+              "|" + "---|" * (len(plan.evals) + 1)]
+    for arm in plan.arms:
+        cells = [table.summary(arm, k) for k in plan.evals]
+        lines.append(f"| {arm} | " + " | ".join("–" if s["mean"] is None else f"{s['mean_nfe']:.1f}"
+                                               for s in cells) + " |")
+    comparisons = plan.settings.get("comparisons") or []
+    lines += ["", "Pre-registered comparisons (claim: a above b). Paired on the same problems: difference of "
+              "accuracy in points, 95 % bootstrap CI over problems of the seed-averaged per-problem difference, "
+              "p from an exact McNemar test (1 seed) or a sign-flip randomisation test (several seeds).", "",
+              "| claim | a vs b @ evaluation | result | verdict |", "|---|---|---|---|"]
+    for c in comparisons:
+        where = f"{c['a']} vs {c['b']} @ {c['eval']}"
+        try:
+            r = table.compare(c["a"], c["b"], c["eval"])
+        except StudyError:
+            lines.append(f"| {c.get('claim', '')} | {where} | not run yet | – |")
+            continue
+        v = verdict(r)
+        if r["n_seeds"] < len(plan.seeds):
+            v += f" (provisional: {r['n_seeds']} of {len(plan.seeds)} seeds)"
+        lines.append(f"| {c.get('claim', '')} | {where} | {format_seed_comparison(r)} | **{v}** |")
+    mixed = sorted({(c["arm"], c["seed"]) for c in table.cells for d in table.cells
+                    if (c["arm"], c["seed"]) == (d["arm"], d["seed"]) and c.get("model") != d.get("model")})
+    if mixed:
+        lines += ["", "Cells of one (arm, seed) from different weights (retrained in a later session, not bitwise "
+                  "equal): " + ", ".join(f"{a} seed {s}" for a, s in mixed) + "."]
+    missing: dict[int, dict[str, list[str]]] = {}
+    for arm, seed, key in table.missing():
+        missing.setdefault(seed, {}).setdefault(arm, []).append(key)
+    lines.append("")
+    if missing:
+        total = sum(len(v) for arms in missing.values() for v in arms.values())
+        lines.append(f"Missing cells ({total}):")
+        for seed, arms in missing.items():
+            parts = [f"{arm} ({'all' if len(keys) == len(plan.evals) else ', '.join(keys)})"
+                     for arm, keys in arms.items()]
+            lines.append(f"- seed {seed}: " + ("every arm" if len(arms) == len(plan.arms) and all(
+                len(k) == len(plan.evals) for k in arms.values()) else "; ".join(parts)))
+    else:
+        lines.append("Every cell of the plan is done.")
+    if plot:
+        lines += ["", f"![accuracy against NFE]({_rel(plot, out)})"]
+    lines += ["", END]
+    return "\n".join(lines)
+
+
+def _rel(target: str, doc: str) -> str:
+    """`target` as a link from the doc's folder."""
+    import os
+
+    return os.path.relpath(Path(target).resolve(), Path(doc).resolve().parent)
+
+
+def write_doc(path: str | Path, text: str, title: str) -> None:
+    """Replace the marked section of `path` (or append it; or create the doc around it)."""
+    path = Path(path)
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"# {title}\n\n## Numbers\n\n{text}\n")
+        return
+    doc = path.read_text()
+    if BEGIN in doc and END in doc:
+        doc = re.sub(re.escape(BEGIN) + r".*?" + re.escape(END), lambda _: text, doc, count=1, flags=re.S)
+    else:
+        doc = doc.rstrip("\n") + "\n\n## Numbers (3-seed study)\n\n" + text + "\n"
+    path.write_text(doc)
+
+
+def plot(table, path: str | Path) -> None:
+    """Accuracy (mean ± sd over seeds) against mean NFE, one line per arm over the evaluations of the main split."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    keys = [k for k in table.plan.evals if "/" not in k]
+    for arm in table.plan.arms:
+        pts = sorted((s["mean_nfe"], 100 * s["mean"], 100 * (s["sd"] or 0)) for s in
+                     (table.summary(arm, k) for k in keys) if s["mean"] is not None)
+        if pts:
+            x, y, e = zip(*pts)
+            ax.errorbar(x, y, yerr=e, marker="o", capsize=3, label=arm)
+    ax.set_xscale("log")
+    ax.set_xlabel("mean NFE per problem")
+    ax.set_ylabel("accuracy (%), mean ± sd over seeds")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(f"{table.plan.name}: {', '.join(keys)}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("plan", help="the pre-registered plan (benchmarks/plans/*.yaml)")
+    ap.add_argument("--json", help="its study table (default: docs/results/<plan name>.json)")
+    ap.add_argument("--out", required=True, help="results doc whose marked numbers section is (re)written")
+    ap.add_argument("--plot", help="PNG of accuracy against NFE (linked from the section)")
+    args = ap.parse_args(argv)
+    from dlm.errors import DlmError
+    from dlm.evaluation.study import Plan, StudyTable
+
+    try:
+        plan = Plan.load(args.plan)
+        json_path = args.json or f"docs/results/{plan.name}.json"
+        if not Path(json_path).is_file():
+            print(f"{json_path}: no study table yet; every cell is reported missing")
+        table = StudyTable(json_path, plan)
+        if args.plot:
+            plot(table, args.plot)
+        write_doc(args.out, section(table, args.plan, json_path, args.out, args.plot), plan.name)
+    except DlmError as e:
+        sys.exit(f"error: {e}")
+    print(f"wrote {args.out}" + (f" and {args.plot}" if args.plot else ""))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,240 @@
+"""The pre-registered study drivers (issue 17): benchmarks/pumba_study.py end to end on a tiny model, the committed
+plans resolve to runnable recipes, W=1 with its carry zeroed is exactly a carry-less model, and the report generator
+turns a table into a results section."""
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from dlm.evaluation.study import Plan, StudyError, StudyTable
+from tests.conftest import perturb, tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+PLANS = [ROOT / "benchmarks" / "plans" / f"{name}.yaml"  # the plans this driver runs
+         for name in ("pumba-table2", "block-long", "pumba-bridges", "pumba-ablations")]
+
+
+@pytest.mark.parametrize("path", PLANS, ids=[p.stem for p in PLANS])
+def test_committed_plans_resolve_to_runnable_recipes(path, tmp_path):
+    import pumba_study
+
+    plan = Plan.load(path)
+    pumba_study.check_plan(plan)
+    assert plan.seeds == (0, 1, 2) and plan.settings["comparisons"]
+    for arm in plan.arms:
+        spec = plan.settings["arm_specs"][arm]
+        if "recipe" in spec:
+            recipe = pumba_study.recipe_for(plan, arm, 0, tmp_path / arm)
+            assert recipe.train.steps == spec["updates"] and recipe.train.seed == 0
+            assert recipe.model.init_from == plan.settings["starts"][spec["init"]]["path"]
+
+
+def test_table2_controls_match_the_windows_denoiser_passes(tmp_path):
+    import pumba_study
+
+    plan = Plan.load(ROOT / "benchmarks" / "plans" / "pumba-table2.yaml")
+    passes = {}
+    for arm in plan.arms:
+        spec = plan.settings["arm_specs"][arm]
+        if "recipe" in spec:
+            r = pumba_study.recipe_for(plan, arm, 1, tmp_path / arm)
+            passes[arm] = r.train.steps * pumba_study.passes_per_update(r)
+    assert passes["mdm2"] == passes["w2"] and passes["mdm4"] == passes["w4"] and passes["mdm8"] == passes["w8"]
+    assert passes["mdm"] == passes["pu"] == passes["w1"] == passes["ar"] == 200
+
+
+def test_zeroed_carry_is_a_carry_less_model():
+    """w1-zero-carry: zeroing the carry LayerNorm makes the carry input exactly 0 (Eq. 3.1), whatever the carry."""
+    import pumba_study
+
+    from dlm.modeling.carry import CARRY_MODULE
+
+    with_carry = perturb(tiny_model(40, attention="bidirectional", family="masked", carry=True, mask_token_id=39))
+    norm = getattr(with_carry.backbone, CARRY_MODULE)
+    with torch.no_grad():
+        norm.weight.normal_()
+        norm.bias.normal_()
+    plain = tiny_model(40, attention="bidirectional", family="masked", mask_token_id=39)
+    state = {k: v for k, v in with_carry.state_dict().items() if CARRY_MODULE not in k}
+    plain.load_state_dict(state)
+    ids = torch.randint(0, 39, (2, 12), generator=torch.Generator().manual_seed(0))
+    ids[:, 6:] = 39
+    carry = torch.randn(2, 12, with_carry.config.hidden_size, generator=torch.Generator().manual_seed(1)) * 3
+    with torch.no_grad():
+        reference = plain(ids)
+        assert (with_carry(ids, carry=carry) - reference).abs().max() > 1e-2  # the carry matters before
+        pumba_study.zero_carry_(with_carry)
+        torch.testing.assert_close(with_carry(ids, carry=carry), reference, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="no carry layer"):
+        pumba_study.zero_carry_(plain)
+
+
+def _smoke_plan(tmp_path, warm, data, w1_updates=2):
+    small = ["data.level=easy", "data.n_train=64", "data.n_validation=4", "data.n_test=6", "model.max_length=160",
+             "model.label_shift=false", "train.batch_size=4",
+             "train.checkpoint_every=1", "train.log_every=1", "eval.n=2", "eval.test_n=2", "eval.max_new_tokens=16",
+             "eval.batch_size=4"]
+    plan = {"name": "smoke", "arms": ["mdm", "w1"], "seeds": [0], "evals": ["u=4", "u=4/unseen"],
+            "settings": {"data": str(data), "n": 3, "max_new_tokens": 16, "eval_batch_size": 4,
+                         "starts": {"warm_start": {"path": str(warm), "commands": ["(test fixture)"]}},
+                         "overrides": small,
+                         "arm_specs": {"mdm": {"recipe": "recipes/tinymath/mdm.yaml", "init": "warm_start",
+                                               "updates": 2},
+                                       "w1": {"recipe": "recipes/tinymath/pumba-w1.yaml", "init": "warm_start",
+                                              "updates": w1_updates}},
+                         "comparisons": [{"a": "w1", "b": "mdm", "eval": "u=4", "claim": "smoke"}]}}
+    path = tmp_path / f"smoke-{w1_updates}.yaml"
+    path.write_text(yaml.safe_dump(plan))
+    return path
+
+
+def test_pumba_study_smoke_run_resumes_and_refuses_a_changed_plan(tmp_path, monkeypatch, capsys):
+    import pumba_study
+
+    from dlm.config import load_recipe
+    from dlm.training import loop
+
+    data = tmp_path / "data"
+    warm = loop.train(load_recipe(ROOT / "recipes" / "tinymath" / "mdm.yaml", [
+        f"data.dir={data}", "data.level=easy", "data.n_train=64", "data.n_validation=4", "data.n_test=6",
+        "model.init_from=null", "model.preset=tiny", "model.vocab_size=300", "model.max_length=160",
+        "model.label_shift=false", "train.batch_size=4", "train.steps=1", "eval.n=2", "eval.test_n=2",
+        "eval.max_new_tokens=16", f"out_dir={tmp_path / 'warm'}"]), progress=False)
+    plan, table_path, runs = _smoke_plan(tmp_path, warm, data), tmp_path / "smoke.json", tmp_path / "runs"
+    (data / "test_unseen.jsonl").unlink(missing_ok=True)  # the unseen split arrives later in this test
+
+    first = pumba_study.run(plan, table_path, runs, max_minutes=0)  # stops after the first cell
+    assert first == {"cells": 1, "stopped": True, "waiting": []}
+    cell = json.loads(table_path.read_text())["cells"][0]
+    assert (cell["arm"], cell["seed"], cell["eval"], cell["n"]) == ("mdm", 0, "u=4", 3)
+    assert len(cell["correct"]) == 3 and cell["updates"] == 2 and cell["passes"] == 2 and cell["train_seconds"] > 0
+
+    second = pumba_study.run(plan, table_path, runs)
+    assert second["cells"] == 1 and second["waiting"] == ["u=4/unseen"]  # w1 u=4; the split is not there yet
+    assert "u=4/unseen: waiting for" in capsys.readouterr().out
+    shutil.copy(data / "test.jsonl", data / "test_unseen.jsonl")
+    monkeypatch.setattr(loop, "train", lambda *a, **k: pytest.fail("a trained arm was trained again"))
+    third = pumba_study.run(plan, table_path, runs)
+    assert third == {"cells": 2, "stopped": False, "waiting": []}
+    table = StudyTable(table_path, Plan.load(plan))
+    assert table.cell("mdm", 0, "u=4") == cell and list(table.missing()) == []
+    assert table.pins["warm_start"] and table.cell("w1", 0, "u=4")["model"] != cell["model"]
+    assert table.cell("w1", 0, "u=4/unseen")["problems"] == cell["problems"]  # the same problems (a copy)
+    assert pumba_study.run(plan, table_path, runs)["cells"] == 0  # nothing redone
+
+    data_json = json.loads(table_path.read_text())  # drop one cell, then change the split under it
+    data_json["cells"] = [c for c in data_json["cells"] if (c["arm"], c["eval"]) != ("w1", "u=4/unseen")]
+    table_path.write_text(json.dumps(data_json))
+    lines = (data / "test_unseen.jsonl").read_text().splitlines(keepends=True)
+    (data / "test_unseen.jsonl").write_text("".join(lines[::-1]))
+    with pytest.raises(StudyError, match="problems changed since the u=4/unseen cells"):
+        pumba_study.run(plan, table_path, runs)
+    with pytest.raises(StudyError, match="another plan"):  # w1 given more updates: a new plan, refused
+        pumba_study.run(_smoke_plan(tmp_path, warm, data, w1_updates=3), table_path, runs)
+    with pytest.raises(StudyError, match="trained for 2 updates, the plan gives w1 3"):  # nor its trained runs
+        pumba_study.run(_smoke_plan(tmp_path, warm, data, w1_updates=3), tmp_path / "new.json", runs)
+    with pytest.raises(StudyError, match="only orders or limits"):
+        pumba_study.run(plan, table_path, runs, seeds=[0, 5])
+
+
+REPORT_PLAN = """name: synthetic
+arms: [a, b, c]
+seeds: [0, 1, 2]
+evals: [u=2, u=8]
+settings:
+  comparisons:
+    - {a: a, b: b, eval: u=2, claim: "a above b"}
+    - {a: b, b: c, eval: u=2, claim: "b above c"}
+    - {a: c, b: a, eval: u=2, claim: "c above a"}
+    - {a: a, b: c, eval: u=8, claim: "a above c at u=8"}
+"""
+
+
+def test_study_report_writes_the_marked_section_from_a_synthetic_table(tmp_path):
+    import statistics
+
+    import numpy as np
+    import study_report
+
+    from dlm.evaluation.stats import compare_seeds, format_seed_comparison
+
+    plan_path = tmp_path / "synthetic.yaml"
+    plan_path.write_text(REPORT_PLAN)
+    plan = Plan.load(plan_path)
+    table = StudyTable(tmp_path / "synthetic.json", plan)
+    rng = np.random.default_rng(0)
+    share = {"a": 0.8, "b": 0.5, "c": 0.5}
+    outcomes = {}
+    for seed in (0, 1, 2):
+        for arm in ("a", "b", "c"):
+            for key in ("u=2", "u=8"):
+                if (arm, seed, key) == ("c", 2, "u=8"):
+                    continue  # one missing cell
+                correct = (rng.random(200) < share[arm]).tolist()
+                outcomes[arm, seed, key] = correct
+                table.add(arm, seed, key, {"mean_nfe": 34.0 if key == "u=2" else 9.0,
+                                           "samples": [{"correct": x} for x in correct]},
+                          problems="p", updates=200, passes=400 if arm == "a" else 200, train_seconds=10.0 + seed,
+                          model="retrained" if (arm, seed, key) == ("b", 1, "u=8") else f"{arm}{seed}")
+    doc = tmp_path / "doc.md"
+    doc.write_text("# Hand-written title\n\nA reading that must stay.\n")
+    out = str(doc)
+    for _ in range(2):  # regenerating replaces the section, once
+        study_report.main([str(plan_path), "--json", str(tmp_path / "synthetic.json"), "--out", out,
+                           "--plot", str(tmp_path / "p.png")])
+    text = doc.read_text()
+    assert text.startswith("# Hand-written title\n\nA reading that must stay.\n")
+    assert text.count(study_report.BEGIN) == 1 and text.count(study_report.END) == 1
+    acc = [sum(outcomes["a", s, "u=2"]) / 200 for s in (0, 1, 2)]
+    want = (f"{100 * statistics.mean(acc):.1f} ± {100 * statistics.stdev(acc):.1f} "
+            f"[{', '.join(f'{100 * x:.1f}' for x in acc)}]")
+    row = next(line for line in text.splitlines() if line.startswith("| a | 200 | 400 | 11 | 3/3 |"))
+    assert want in row
+    assert "| c | 200 | 200 | 11 | 2/3 |" in text  # seed 2 lacks u=8
+    lines = {line.split(" | ")[1]: line for line in text.splitlines() if line.startswith("| ") and " vs " in line}
+    result = compare_seeds([outcomes["a", s, "u=2"] for s in (0, 1, 2)], [outcomes["b", s, "u=2"] for s in (0, 1, 2)])
+    assert format_seed_comparison(result) in lines["a vs b @ u=2"] and "**holds**" in lines["a vs b @ u=2"]
+    assert "**not shown" in lines["b vs c @ u=2"]
+    assert "**opposite**" in lines["c vs a @ u=2"]
+    assert "**holds (provisional: 2 of 3 seeds)**" in lines["a vs c @ u=8"]
+    assert "Missing cells (1):\n- seed 2: c (u=8)" in text and "Seeds complete: 0, 1 of 0, 1, 2" in text
+    assert "not bitwise equal): b seed 1." in text  # two weights behind one (arm, seed)
+    assert (tmp_path / "p.png").stat().st_size > 10_000
+
+
+def test_random_initial_masking_is_refused_where_it_would_do_nothing():
+    """The stage construction never reads progressive.random_initial_masking (only the threshold construction does):
+    a PU+ ablation on it would silently train the reference arm."""
+    from dlm.config import RecipeError, load_recipe
+
+    with pytest.raises(RecipeError, match="random_initial_masking is for construction 'threshold'"):
+        load_recipe(ROOT / "recipes" / "tinymath" / "pu.yaml", ["progressive.random_initial_masking=true"])
+    r = load_recipe(ROOT / "recipes" / "tinymath" / "pu.yaml",
+                    ["progressive.random_initial_masking=true", "progressive.construction=threshold"])
+    assert r.progressive.random_initial_masking
+
+
+def test_two_drivers_fill_one_table_without_losing_cells(tmp_path):
+    """One driver per core on the same table: each write takes in the cells the other wrote."""
+    plan_path = tmp_path / "synthetic.yaml"
+    plan_path.write_text(REPORT_PLAN)
+    plan = Plan.load(plan_path)
+    one, two = StudyTable(tmp_path / "t.json", plan), StudyTable(tmp_path / "t.json", plan)
+    result = {"samples": [{"correct": True}, {"correct": False}]}
+    one.pin("warm_start", "abc")
+    one.add("a", 0, "u=2", result, problems="p")
+    two.add("b", 1, "u=2", result, problems="p")
+    one.add("c", 2, "u=8", result, problems="p")
+    with pytest.raises(StudyError, match="already exists"):
+        two.add("a", 0, "u=2", result, problems="p")  # written by the other driver
+    with pytest.raises(StudyError, match="warm_start"):
+        two.pin("warm_start", "def")
+    cells = json.loads((tmp_path / "t.json").read_text())["cells"]
+    assert sorted((c["arm"], c["seed"]) for c in cells) == [("a", 0), ("b", 1), ("c", 2)]
