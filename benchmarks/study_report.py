@@ -94,9 +94,11 @@ def section(table, plan_path: str, json_path: str, out: str, plot: str | None = 
               "p from an exact McNemar test (1 seed) or a sign-flip randomisation test (several seeds).", "",
               "| claim | a vs b @ evaluation | result | verdict |", "|---|---|---|---|"]
     for c in comparisons:
-        where = f"{c['a']} vs {c['b']} @ {c['eval']}"
+        key_b = c.get("eval_b") or c["eval"]
+        where = f"{c['a']} vs {c['b']} @ {c['eval']}" if key_b == c["eval"] else \
+            f"{c['a']} @ {c['eval']} vs {c['b']} @ {key_b}"
         try:
-            r = table.compare(c["a"], c["b"], c["eval"])
+            r = table.compare(c["a"], c["b"], c["eval"], key_b)
         except StudyError:
             lines.append(f"| {c.get('claim', '')} | {where} | not run yet | – |")
             continue
