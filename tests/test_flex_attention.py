@@ -94,11 +94,18 @@ def test_backend_selection(monkeypatch):
     assert block_attention_backend("dense", "cpu") == "dense"  # an explicit argument wins
     monkeypatch.setenv(BLOCK_ATTENTION_ENV, "dense")
     assert block_attention_backend("auto", "cuda") == "dense"
+    monkeypatch.setenv(BLOCK_ATTENTION_ENV, " Flex ")  # read case- and space-insensitively
+    assert block_attention_backend("auto", "cpu") == "flex"
     monkeypatch.setenv(BLOCK_ATTENTION_ENV, "sparse")
-    with pytest.raises(ValueError, match=BLOCK_ATTENTION_ENV):
+    with pytest.raises(ValueError, match=f"^environment variable {BLOCK_ATTENTION_ENV}: unknown block attention "
+                                         r"'sparse'; choose dense or flex \(or auto\)$"):
         block_attention_backend("auto", "cpu")
-    with pytest.raises(ValueError, match="backend argument"):
+    with pytest.raises(ValueError, match=r"^backend argument: unknown block attention 'fast'; choose dense or flex "
+                                         r"\(or auto\)$"):
         block_attention_backend("fast", "cpu")
+    monkeypatch.setenv(BLOCK_ATTENTION_ENV, "")  # empty: as if unset
+    assert block_attention_backend() == "dense"  # defaults: auto, no device (the CPU)
+    assert block_attention_backend("auto", torch.device("cuda")) == "flex"
 
 
 def _model():
