@@ -163,10 +163,13 @@ def test_auto_backend_reads_the_environment(monkeypatch, no_env):
     assert model.backbone.config._attn_implementation == SDPA_OR_FLEX
 
 
-def test_use_block_attention_keeps_dense_outputs(no_env):
+def test_use_block_attention_keeps_dense_outputs(no_env, monkeypatch):
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+    # registered by an earlier call in this process, maybe: start from transformers' own tables
+    monkeypatch.delitem(AttentionInterface._global_mapping, SDPA_OR_FLEX, raising=False)
+    monkeypatch.delitem(AttentionMaskInterface._global_mapping, SDPA_OR_FLEX, raising=False)
     model = _sdpa_model()
     layout = VectorisedLayout(torch.tensor([3, 2]), torch.tensor([11, 6]), 4, True)
     ids = torch.randint(3, 60, layout.src.shape, generator=torch.Generator().manual_seed(0))
