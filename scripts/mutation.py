@@ -41,9 +41,13 @@ MODULES: dict[str, list[str]] = {
     "data/canvas.py": ["tests/test_canvas.py", "tests/test_data.py", "tests/test_masking.py"],
     "modeling/carry.py": ["tests/test_carry.py", "tests/test_build.py", "tests/test_progressive.py",
                           "tests/test_block_decoding.py"],
-    # test_flex_attention also covers the flex BlockMask path, but under mutmut's trampolines its clean run fails
-    # and mutmut checks nothing; without it the flex-only functions show up as "no tests"
-    "modeling/blocks.py": ["tests/test_blocks.py", "tests/test_block_training.py", "tests/test_block_decoding.py"],
+    # test_flex_attention's CPU tests (the BlockMask against the dense mask, backend selection); its flex logits test
+    # compiles flex_attention (~1 min cold) and stays out
+    "modeling/blocks.py": ["tests/test_blocks.py", "tests/test_blocks_spec.py", "tests/test_block_training.py",
+                           "tests/test_block_decoding.py",
+                           "tests/test_flex_attention.py::test_attends_nothing_matches_the_grid",
+                           "tests/test_flex_attention.py::test_block_mask_equals_dense_mask_exactly",
+                           "tests/test_flex_attention.py::test_backend_selection"],
     "diffusion/masking.py": ["tests/test_masking.py", "tests/test_paper_constants.py"],
     "diffusion/policies.py": ["tests/test_policies.py"],
     "diffusion/simplex.py": ["tests/test_simplex.py", "tests/test_paper_constants.py"],
@@ -127,6 +131,35 @@ EXPLAINED: dict[str, str] = {
     "data.canvas.x_collate__mutmut_22": "max(max(lengths), pad_to or 1): every length is >= 1 (the EOS), so the "
                                         "floor of 1 never binds",
     # ---- modeling/blocks.py (add entries below this line) ----
+    **{f"modeling.blocks.x_attends_nothing__mutmut_{i}": _DEVICE for i in (40, 44)},
+    **{f"modeling.blocks.x_block_causal_block_mask__mutmut_{i}": _DEVICE for i in (74, 82)},
+    **{f"modeling.blocks.x_response_blocks__mutmut_{i}": _DEVICE for i in (8, 10)},
+    **{f"modeling.blocks.x_response_blocks__mutmut_{i}": _DIM for i in (3, 11)},
+    "modeling.blocks.x_attends_nothing__mutmut_33": _DIM,
+    "modeling.blocks.x_block_forward__mutmut_25": _DEVICE,
+    **{f"modeling.blocks.x_block_causal_mask__mutmut_{i}": _DEVICE for i in (27, 30)},
+    **{f"modeling.blocks.x_canvas_blocks__mutmut_{i}": _DEVICE for i in (9, 11, 17, 20)},
+    **{f"modeling.blocks.x.VectorisedLayout.__init____mutmut_{i}": _DEVICE for i in (77, 79, 80)},
+    **{f"modeling.blocks.x_block_attention_mask__mutmut_{i}": "auto not told the block ids' device, so it reads it "
+       "as the CPU: the same on this CPU-only machine (on CUDA auto would pick dense instead of flex; not testable "
+       "without a GPU)" for i in (5, 7)},
+    "modeling.blocks.x_attends_nothing__mutmut_19": "the sentinel block id for 'no valid clean key' one larger (and "
+                                                    "the noised-block table one column wider): it only has to exceed "
+                                                    "every real block id",
+    "modeling.blocks.x_attends_nothing__mutmut_47": "the noised-block table one column wider: the extra column is "
+                                                    "never set and never gathered",
+    "modeling.blocks.x_block_causal_block_mask__mutmut_83": "BLOCK_SIZE=_TILE dropped: 128 is create_block_mask's "
+                                                            "default",
+    **{f"modeling.blocks.x_block_causal_block_mask__mutmut_{i}": "create_block_mask never compiled: on this CPU "
+       "machine it is not compiled anyway, and on CUDA compiling only builds the same BlockMask tile by tile in less "
+       "memory (not testable without a GPU)" for i in (76, 84, 86, 87)},
+    "modeling.blocks.x_block_forward__mutmut_32": "the layout's additive mask left float32 under a model of another "
+                                                  "dtype: the backbone's attention gives identical outputs (checked: "
+                                                  "float16, bfloat16 and float64 tiny models, max difference 0)",
+    "modeling.blocks.x_block_forward__mutmut_47": "align=None: falsy, as False",
+    "modeling.blocks.x.VectorisedLayout.raw_carry__mutmut_21": "the bool noised & valid mask not cast before "
+                                                               "multiplying the float carry: type promotion gives the "
+                                                               "same float result",
 
     # ---- end modeling/blocks.py ----
     #

@@ -94,11 +94,18 @@ def test_backend_selection(monkeypatch):
     assert block_attention_backend("dense", "cpu") == "dense"  # an explicit argument wins
     monkeypatch.setenv(BLOCK_ATTENTION_ENV, "dense")
     assert block_attention_backend("auto", "cuda") == "dense"
+    monkeypatch.setenv(BLOCK_ATTENTION_ENV, " Flex ")  # read case- and space-insensitively
+    assert block_attention_backend("auto", "cpu") == "flex"
     monkeypatch.setenv(BLOCK_ATTENTION_ENV, "sparse")
-    with pytest.raises(ValueError, match=BLOCK_ATTENTION_ENV):
+    with pytest.raises(ValueError, match=f"^environment variable {BLOCK_ATTENTION_ENV}: unknown block attention "
+                                         r"'sparse'; choose dense or flex \(or auto\)$"):
         block_attention_backend("auto", "cpu")
-    with pytest.raises(ValueError, match="backend argument"):
+    with pytest.raises(ValueError, match=r"^backend argument: unknown block attention 'fast'; choose dense or flex "
+                                         r"\(or auto\)$"):
         block_attention_backend("fast", "cpu")
+    monkeypatch.setenv(BLOCK_ATTENTION_ENV, "")  # empty: as if unset
+    assert block_attention_backend() == "dense"  # defaults: auto, no device (the CPU)
+    assert block_attention_backend("auto", torch.device("cuda")) == "flex"
 
 
 def _model():
@@ -113,10 +120,15 @@ def _model():
 
 @pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None,
                     reason="flex_attention on CPU runs through torch.compile, which needs a C++ compiler")
-def test_flex_logits_equal_dense_for_training_layout_and_block_decoding(monkeypatch):
+def test_flex_logits_equal_dense_for_training_layout_and_block_decoding():
     # one static compile per shape: torch 2.13's CPU flex template fails to build once dynamo turns a shape dynamic
-    # (g++: 'cur_kvSplitSize0' was not declared)
-    monkeypatch.setattr(torch._dynamo.config, "automatic_dynamic_shapes", False)
+    # (g++: 'cur_kvSplitSize0' was not declared). torch's own config.patch, not monkeypatch: pytest 9's monkeypatch
+    # undoes a setattr on torch's config module with a delattr, which hides the option for the rest of the process
+    with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+        _flex_logits_equal_dense()
+
+
+def _flex_logits_equal_dense():
     model = _model()
     examples = [Example([5, 6, 7], [10, 11, 12, 13, 14]), Example([8, 9], [20, 21]),
                 Example([30, 31, 32, 33, 34], [40])]

@@ -295,7 +295,7 @@ def block_forward(model, canvas: torch.Tensor, target: torch.Tensor, prompt_len:
         extra = {"carry": layout.raw_carry(carry), "carry_mask": layout.noised & layout.valid}
     out = model(layout.inputs(canvas, target), attention_mask=layout.mask(backend, model),
                 position_ids=layout.position_ids,
-                return_hidden=return_hidden or carry is not None, align=False, **extra)
+                return_hidden=return_hidden, align=False, **extra)
     logits, hidden = out if isinstance(out, tuple) else (out, None)
     logits = layout.logical(logits, layout.pred_at)
     if return_hidden:
@@ -306,7 +306,6 @@ def block_forward(model, canvas: torch.Tensor, target: torch.Tensor, prompt_len:
 def response_blocks(maskable: torch.Tensor, block_size: int) -> torch.Tensor:
     """Block index per position [B, L]: 0 outside the response, k+1 on response block k (the response region of
     each row is its maskable span, a whole number of blocks starting at the prompt's end)."""
-    L = maskable.shape[-1]
-    start = torch.where(maskable.any(-1), maskable.int().argmax(-1), L)
-    offset = torch.arange(L, device=maskable.device)[None, :] - start[:, None]
+    start = maskable.int().argmax(-1)  # a row without a response gets 0 everywhere below, whatever its start
+    offset = torch.arange(maskable.shape[-1], device=maskable.device)[None, :] - start[:, None]
     return torch.where(maskable, offset.div(block_size, rounding_mode="floor") + 1, 0)
