@@ -54,8 +54,9 @@ MODULES: dict[str, list[str]] = {
     "sampling/masked.py": ["tests/test_masked_sampler.py", "tests/test_block_decoding.py"],
     "sampling/block_cache.py": ["tests/test_block_decoding.py"],
     "sampling/steps.py": ["tests/test_block_decoding.py", "tests/test_masked_sampler.py"],
-    "sampling/simplex.py": ["tests/test_simplex.py", "tests/test_guidance.py"],
-    "sampling/guidance.py": ["tests/test_guidance.py"],
+    "sampling/simplex.py": ["tests/test_simplex.py", "tests/test_guidance.py", "tests/test_simplex_sampler_reference.py",
+                            "tests/test_simplex_sampler_spec.py"],
+    "sampling/guidance.py": ["tests/test_guidance.py", "tests/test_guidance_reference.py"],
 }
 
 # mutmut's mutant name -> why it survives (equivalent), or the test that kills it after this changes
