@@ -20,9 +20,9 @@ def reward_model(vocab=40, **spec):
 
 
 def test_direct_call_defaults(monkeypatch):
-    """100 steps, argmax, no early stop, no trace."""
+    """100 steps (of T = 1000 timesteps: fewer than T, so the count shows), argmax, no early stop, no trace."""
     monkeypatch.setattr(sx, "simplex_logits", Oracle(torch.tensor([[7, 8, 1]]), 40))
-    out = sx.generate(simplex_model(vocab=40), [[5]], 3, eos_id=1, pad_id=0)
+    out = sx.generate(simplex_model(vocab=40, T=1000), [[5]], 3, eos_id=1, pad_id=0)
     assert out.nfe == [100] and out.trace is None and out.tokens == [[7, 8]]
 
 
