@@ -105,11 +105,10 @@ def test_guidance_steps_follow_the_hand_derived_gradient(temperature):
     context, logits = torch.randint(2, 40, (3, 4)), 2 * torch.randn(3, 5, 40)
     logits[0, 2, 1] = 20.0  # row 0 predicts EOS at position 2: R is read there
     eta = 0.3
-    s = logits.clone()
-    for _ in range(3):
+    one = logits + eta * _hand_gradient(rm, logits, context, 1, temperature)  # TESS 2 Eq. 8
+    s = one
+    for _ in range(2):
         s = s + eta * _hand_gradient(rm, s, context, 1, temperature)
-        if _ == 0:
-            one = s.clone()
     kw = {} if temperature == 1.0 else {"temperature": temperature}  # the default τ is 1
     torch.testing.assert_close(reward_guidance(logits, context, rm, eta, eos_id=1, **kw), one, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(reward_guidance(logits, context, rm, eta, 3, eos_id=1, **kw), s, rtol=1e-4, atol=1e-5)
