@@ -60,8 +60,9 @@ MODULES: dict[str, list[str]] = {
     "sampling/masked.py": ["tests/test_masked_sampler.py", "tests/test_block_decoding.py"],
     "sampling/block_cache.py": ["tests/test_block_decoding.py"],
     "sampling/steps.py": ["tests/test_block_decoding.py", "tests/test_masked_sampler.py"],
-    "sampling/simplex.py": ["tests/test_simplex.py", "tests/test_guidance.py"],
-    "sampling/guidance.py": ["tests/test_guidance.py"],
+    "sampling/simplex.py": ["tests/test_simplex.py", "tests/test_guidance.py",
+                            "tests/test_simplex_sampler_reference.py", "tests/test_simplex_sampler_spec.py"],
+    "sampling/guidance.py": ["tests/test_guidance.py", "tests/test_guidance_reference.py"],
 }
 
 # mutmut's mutant name -> why it survives (equivalent), or the test that kills it after this changes
@@ -199,6 +200,44 @@ EXPLAINED: dict[str, str] = {
     # ---- end sampling masked/block_cache/steps ----
     #
     # ---- sampling/simplex.py, sampling/guidance.py (add entries below this line) ----
+    **{f"sampling.guidance.x_first_eos_or_last__mutmut_{i}": _DIM for i in (12, 15)},
+    **{f"sampling.guidance.x_{f}__mutmut_{i}": "the reward model's position ids left to the backbone (0..L-1 for "
+       "every row) instead of counted from each row's left padding: a constant shift per row over its real tokens "
+       "(pads are masked), invisible to rotary embeddings, the position encoding of every supported architecture "
+       "(llama, mistral, qwen2)" for f, i in (("reward_guidance", 15), ("reward_guidance", 22),
+                                              ("reward_of_logits", 32), ("reward_of_logits", 37))},
+    **{f"sampling.simplex.x_generate__mutmut_{i}": _DEVICE for i in (36, 39, 56, 60, 70, 74, 88, 92, 100, 104, 110,
+                                                                     118, 122, 128, 132, 136, 139, 143, 146, 150,
+                                                                     153, 175, 178, 270, 295, 298)},
+    **{f"sampling.simplex.x__noise__mutmut_{i}": _DEVICE for i in (5, 8, 11)},
+    **{f"sampling.simplex.x__noise__mutmut_{i}": "randn's device left to the default (the CPU) instead of the "
+       "generator's: the same on this CPU-only machine (a CUDA generator would fail; not testable without a GPU)"
+       for i in (1, 2)},
+    **{f"sampling.simplex.x_generate__mutmut_{i}": _INT_DTYPE for i in (55, 59, 127, 131)},
+    **{f"sampling.simplex.x_generate__mutmut_{i}": "the appended attention-mask column is float, so torch.cat "
+       "promotes the mask (and the position ids counted from it) to float 0/1 and whole numbers: the backbone reads "
+       "the same mask and positions" for i in (69, 73)},
+    **{f"sampling.simplex.x_generate__mutmut_{i}": _DIM for i in (80, 278)},
+    "sampling.simplex.x_generate__mutmut_256": "the step before the last re-noises with ᾱ = 1 instead of "
+                                               "ᾱ at the last timestep, which is always 0 (inference_timesteps), "
+                                               "where ᾱ_0 = 1 exactly in float32: the same step",
+    "sampling.simplex.x_generate__mutmut_258": "ᾱ after the last step is only used for an S that is never read: "
+                                               "the output is that step's projection",
+    **{f"sampling.simplex.x_generate__mutmut_{i}": "the early-stop counter kept as float: whole numbers far below "
+       "2^24, compared with >=, never seen by a caller" for i in (135, 138)},
+    "sampling.simplex.x_generate__mutmut_169": "rows indexed by the tensor of every row index instead of the slice "
+                                               "when none has stopped: the same rows and values (the slice only "
+                                               "avoids copies)",
+    "sampling.simplex.x_generate__mutmut_218": "the reward model's position ids left to the backbone (0..L-1) "
+                                               "instead of counted from each row's left padding: a constant shift "
+                                               "per row over its real tokens, invisible to rotary embeddings "
+                                               "(llama, mistral, qwen2)",
+    **{f"sampling.simplex.x_show_steps__mutmut_{i}": "Console highlighting applies to printed str, never to the "
+       "rich Text lines show_steps prints" for i in (3, 4)},
+    **{f"sampling.simplex.x_show_steps__mutmut_{i}": "rich parses style words case-insensitively: the same style"
+       for i in (39, 66)},
+    "sampling.simplex.x_show_steps__mutmut_40": "cut = None instead of False: both falsy, and `or` turns it into "
+                                                "the EOS test's bool at the first token",
 
     # ---- end sampling simplex/guidance ----
 }

@@ -88,8 +88,7 @@ def generate(
     for i, t in enumerate(schedule):
         rows = (~done).nonzero().squeeze(1)
         sub = slice(None) if len(rows) == B else rows
-        n = B if len(rows) == B else len(rows)
-        time = torch.full((n,), t / T, device=device)
+        time = torch.full((len(rows),), t / T, device=device)
         logits = simplex_logits(model, canvas[sub], torch.cat([context[sub], s[sub]], 1), generating[sub], time,
                                 previous[sub], attention_mask=attention[sub], position_ids=positions[sub])
         nfe[sub] += 1
