@@ -10,6 +10,7 @@ from dlm.modeling.carry import CARRY_MODULE
 from dlm.sampling.masked import generate
 from dlm.sampling.steps import candidates, make_rule
 from tests.conftest import assert_batched_equals_one_by_one, assert_same_confidences, perturb, tiny_model
+from tests.step_logits import StepLogits, assert_batched_steps_equal_one_by_one, assert_same_steps, log_probs
 
 PAD, EOS, MASK, VOCAB = 0, 1, 2, 40
 NEVER = 99  # an EOS id outside the vocabulary: never produced
@@ -42,10 +43,11 @@ def _prompts(lengths=(3, 7, 5)):
 
 def reference(model, prompt, gen_length, eos_id, policy, reveal_count=2, confidence_threshold=0.9):
     """One prompt, the canvas cut after the current block (later blocks must not matter), the label shift and the
-    carry applied by hand position by position; the rule applied literally on (-confidence, position)."""
+    carry applied by hand position by position; the rule applied literally on (-confidence, position). Returns
+    (tokens, NFE, steps): per step, the log-probabilities at each eligible position (offset from the end)."""
     bs, spec = model.spec.block_size, model.spec
     P, G = len(prompt), math.ceil(gen_length / bs) * bs
-    seq, nfe = list(prompt) + [MASK] * G, 0
+    seq, nfe, steps = list(prompt) + [MASK] * G, 0, []
     backbone = model.backbone
     d = model.config.hidden_size
 
@@ -77,6 +79,7 @@ def reference(model, prompt, gen_length, eos_id, policy, reveal_count=2, confide
             nfe += 1
             h = hidden[s:e]
             masked = [i for i in range(s, e) if seq[i] == MASK]
+            steps.append({i - len(seq): log_probs(logits[i - 1 if spec.label_shift else i]) for i in masked})
             conf, tok = {}, {}
             for i in masked:
                 row = logits[i - 1 if spec.label_shift else i].clone()
@@ -93,24 +96,33 @@ def reference(model, prompt, gen_length, eos_id, policy, reveal_count=2, confide
         if finished():
             break
     region = seq[P:]
-    return region[: region.index(eos_id)] if eos_id in region else region, nfe
+    return region[: region.index(eos_id)] if eos_id in region else region, nfe, steps
 
 
 @pytest.mark.parametrize("label_shift,carry", [(False, False), (True, False), (True, True), (False, True)])
-def test_uncached_and_cached_match_the_reference(label_shift, carry):
-    """Without an EOS, then with one produced mid-way (rows stop early); 10 positions round up to 3 blocks of 4."""
-    m = _block_model(label_shift, carry)
+def test_uncached_and_cached_match_the_reference(label_shift, carry, monkeypatch):
+    """Without an EOS, then with one produced mid-way (rows stop early); 10 positions round up to 3 blocks of 4.
+    Cached, uncached and the reference take the same steps per row with the same log-probabilities at every
+    eligible position: the cache changes no number, only the cost."""
+    m, rec = _block_model(label_shift, carry), StepLogits(monkeypatch)
     for policy, options in POLICIES:
         free = generate(m, _prompts(), 10, NEVER, PAD, MASK, policy=policy, kv_cache=False, **options)
         assert all(len(t) == 12 for t in free.tokens)
         eos = free.tokens[1][5]
         for eos_id in (NEVER, eos):
-            runs = [generate(m, _prompts(), 10, eos_id, PAD, MASK, policy=policy, kv_cache=kv, return_trace=True,
-                             **options) for kv in (False, True)]
+            rec.take()
+            runs, steps = [], []
+            for kv in (False, True):
+                runs.append(generate(m, _prompts(), 10, eos_id, PAD, MASK, policy=policy, kv_cache=kv,
+                                     return_trace=True, **options))
+                steps.append(rec.take())
             assert runs[0].tokens == runs[1].tokens and runs[0].nfe == runs[1].nfe, (policy, eos_id)
-            assert_same_confidences(runs[1], runs[0], 12)  # the cache changes no number, only the cost
-            for p, toks, nfe in zip(_prompts(), runs[1].tokens, runs[1].nfe):
-                assert (toks, nfe) == reference(m, p, 10, eos_id, policy, **options), (policy, eos_id)
+            assert_same_confidences(runs[1], runs[0], 12)
+            for row, (p, toks, nfe) in enumerate(zip(_prompts(), runs[1].tokens, runs[1].nfe)):
+                ref = reference(m, p, 10, eos_id, policy, **options)
+                assert (toks, nfe) == ref[:2], (policy, eos_id)
+                for kv in (0, 1):
+                    assert_same_steps(steps[kv][row], ref[2], f"{policy} eos {eos_id} kv_cache {bool(kv)} row {row}")
         assert len(runs[1].tokens[1]) <= 5
 
 
@@ -122,12 +134,14 @@ def test_the_carry_and_the_label_shift_change_the_output():
 
 
 @pytest.mark.parametrize("kv_cache", [True, False])
-def test_batched_equals_one_by_one(kv_cache):
-    m = _block_model(label_shift=True, carry=True, seed=2)
+def test_batched_equals_one_by_one(kv_cache, monkeypatch):
+    m, rec = _block_model(label_shift=True, carry=True, seed=2), StepLogits(monkeypatch)
     prompts = _prompts((3, 7, 5, 1))
     for policy, options in POLICIES:
         assert_batched_equals_one_by_one(generate, m, prompts, 12, EOS, PAD, MASK, policy=policy, kv_cache=kv_cache,
                                          **options)
+        assert_batched_steps_equal_one_by_one(rec, generate, m, prompts, 12, EOS, PAD, MASK, policy=policy,
+                                              kv_cache=kv_cache, **options)
 
 
 def test_only_the_current_block_is_eligible():
@@ -172,19 +186,23 @@ def test_temperature_sampling_with_the_cache():
 # Fast-dLLM caches (approximate) for full-canvas models
 
 
-def _first_step_of_each_block(model, prompt, trace, gen_length, block_size, policy, options):
-    """For a one-prompt trace: each block's first step, recomputed on the whole canvas (exact, no cache)."""
+def _first_step_of_each_block(model, prompt, trace, steps, gen_length, block_size, policy, options):
+    """For a one-prompt trace and its recorded steps: each block's first step, recomputed on the whole canvas (exact,
+    no cache): the same log-probabilities over the block, the same reveals and tokens."""
     P = trace[0]["canvas"].shape[1] - gen_length
+    assert len(steps) == len(trace)
     rule = make_rule(policy, options.get("reveal_count", 2), options.get("confidence_threshold", 0.9))
     before = torch.tensor([prompt + [MASK] * gen_length])
     checked = 0
-    for step in trace:
+    for step, recorded in zip(trace, steps):
         first = int(step["revealed"][0].nonzero()[0]) - P
         block = first // block_size
         s, e = P + block * block_size, min(P + (block + 1) * block_size, P + gen_length)
         if (before[0, s:e] == MASK).all():  # this step opened the block
             with torch.no_grad():
                 logits = model(before)[:, s:e]
+            L = before.shape[1]
+            assert_same_steps([recorded], [{i - L: log_probs(logits[0, i - s]) for i in range(s, e)}], f"block {block}")
             confidence, token = candidates(logits, MASK, 0.0, None)
             reveal = rule(confidence, before[:, s:e] == MASK)
             assert reveal.tolist() == step["revealed"][:, s:e].tolist()
@@ -195,35 +213,120 @@ def _first_step_of_each_block(model, prompt, trace, gen_length, block_size, poli
 
 
 @pytest.mark.parametrize("label_shift", [False, True])
-def test_fast_dllm_first_step_of_each_block_is_exact(label_shift):
-    m = _full_model(label_shift)
+def test_fast_dllm_first_step_of_each_block_is_exact(label_shift, monkeypatch):
+    m, rec = _full_model(label_shift), StepLogits(monkeypatch)
     prompt = _prompts((5,))[0]
     for cache in ("prefix", "dual"):
         for block_size in (4, 12):
             for policy, options in POLICIES:
                 out = generate(m, [prompt], 12, NEVER, PAD, MASK, policy=policy, block_size=block_size, cache=cache,
                                return_trace=True, **options)
-                assert (_first_step_of_each_block(m, prompt, out.trace, 12, block_size, policy, options)
+                steps = rec.take()[0]
+                assert (_first_step_of_each_block(m, prompt, out.trace, steps, 12, block_size, policy, options)
                         == 12 // block_size)
 
 
-def test_fast_dllm_prefix_equals_dual_with_one_block_and_both_are_valid():
-    m = _full_model(label_shift=True)
-    one = [generate(m, _prompts(), 12, NEVER, PAD, MASK, policy="threshold", confidence_threshold=0.6, block_size=12,
-                    cache=c) for c in ("prefix", "dual")]
-    assert one[0] == one[1]
+def test_fast_dllm_prefix_equals_dual_with_one_block_and_both_are_valid(monkeypatch):
+    """With one block nothing lies after it, so dual caches what prefix caches: the same numbers at every step. With
+    blocks of 4, batched equals one by one in every number (the cache is per row)."""
+    m, rec = _full_model(label_shift=True), StepLogits(monkeypatch)
+    one = []
+    for c in ("prefix", "dual"):
+        out = generate(m, _prompts(), 12, NEVER, PAD, MASK, policy="threshold", confidence_threshold=0.6,
+                       block_size=12, cache=c)
+        one.append((out, rec.take()))
+    assert one[0][0] == one[1][0]
+    for row in range(3):
+        assert_same_steps(one[0][1][row], one[1][1][row], f"row {row}")
     for cache in ("prefix", "dual"):
         out = generate(m, _prompts(), 11, NEVER, PAD, MASK, policy="threshold", confidence_threshold=0.6, block_size=4,
                        cache=cache)
         assert all(MASK not in t and len(t) == 11 for t in out.tokens)
-        exact = generate(m, _prompts(), 11, NEVER, PAD, MASK, policy="threshold", confidence_threshold=0.6,
-                         block_size=4)
-        assert all(3 <= n <= 11 for n in out.nfe) and len(exact.nfe) == len(out.nfe)
-        # batched equals one by one (the cache is per row)
-        for p, toks, nfe in zip(_prompts(), out.tokens, out.nfe):
-            alone = generate(m, [p], 11, NEVER, PAD, MASK, policy="threshold", confidence_threshold=0.6,
-                             block_size=4, cache=cache)
-            assert (alone.tokens[0], alone.nfe[0]) == (toks, nfe)
+        assert all(3 <= n <= 11 for n in out.nfe)
+        assert_batched_steps_equal_one_by_one(rec, generate, m, _prompts(), 11, NEVER, PAD, MASK, policy="threshold",
+                                              confidence_threshold=0.6, block_size=4, cache=cache)
+
+
+def _one_layer_model(label_shift):
+    from dlm.modeling.build import build
+    from dlm.modeling.spec import ModelSpec
+
+    torch.manual_seed(3)
+    spec = ModelSpec(family="masked", attention="bidirectional", label_shift=label_shift)
+    return perturb(build(spec, arch="llama", preset="nano", vocab_size=VOCAB, max_positions=128,
+                         num_hidden_layers=1).eval(), 3)
+
+
+def fast_dllm_reference(model, prompt, gen_length, eos_id, block_size, policy, reveal_count=2,
+                        confidence_threshold=0.9):
+    """Fast-dLLM (Wu et al. 2026b, §3.2) on a one-layer model, by hand: one prompt, a full forward per step. With one
+    layer a position's keys and values depend only on its own token, so the cached ones (prompt and finished blocks;
+    dual also the later, still masked, blocks) never go stale within a block and every output is that of a full
+    recompute; under label shift the block's first prediction is the output before the block at the block's first
+    pass, kept for the block. Returns (tokens, NFE, steps) like `reference`."""
+    label_shift = model.spec.label_shift
+    P, seq, nfe, steps = len(prompt), list(prompt) + [MASK] * gen_length, 0, []
+
+    def finished():
+        for x in seq[P:]:
+            if x == MASK:
+                return False
+            if x == eos_id:
+                return True
+        return True
+
+    for s in range(P, P + gen_length, block_size):
+        e, boundary = min(s + block_size, P + gen_length), None
+        while not finished() and MASK in seq[s:e]:
+            with torch.no_grad():
+                raw = model(torch.tensor([seq]), align=False)[0].float()
+            nfe += 1
+            if boundary is None:
+                boundary = raw[s - 1]
+            pred = {i: (boundary if i == s else raw[i - 1]) if label_shift else raw[i] for i in range(s, e)}
+            masked = [i for i in range(s, e) if seq[i] == MASK]
+            steps.append({i - len(seq): log_probs(pred[i]) for i in masked})
+            conf, tok = {}, {}
+            for i in masked:
+                row = pred[i].clone()
+                row[MASK] = float("-inf")
+                probs = torch.softmax(row, dim=-1)
+                conf[i], tok[i] = float(probs.max()), int(probs.argmax())
+            order = sorted(masked, key=lambda i: (-conf[i], i))
+            if policy == "top_u":
+                chosen = order[:reveal_count]
+            else:
+                chosen = [i for i in order if conf[i] >= confidence_threshold] or order[:1]
+            for i in chosen:
+                seq[i] = tok[i]
+        if finished():
+            break
+    region = seq[P:]
+    return region[: region.index(eos_id)] if eos_id in region else region, nfe, steps
+
+
+@pytest.mark.parametrize("label_shift", [False, True])
+def test_fast_dllm_on_one_layer_matches_its_reference(label_shift, monkeypatch):
+    """On a one-layer model Fast-dLLM's caches are exact (see `fast_dllm_reference`): batched prefix and dual decoding
+    take the reference's steps with its log-probabilities at every eligible position, over blocks of 4 with a
+    partial last block and with an EOS that stops rows early. Without label shift that is plain block decoding."""
+    m, rec = _one_layer_model(label_shift), StepLogits(monkeypatch)
+    free = generate(m, _prompts(), 11, NEVER, PAD, MASK, policy="threshold", confidence_threshold=0.6, block_size=4,
+                    cache="dual")
+    eos = free.tokens[1][5]
+    for cache in ("prefix", "dual"):
+        for eos_id, (policy, options) in ((NEVER, POLICIES[1]), (eos, POLICIES[0])):
+            rec.take()
+            out = generate(m, _prompts(), 11, eos_id, PAD, MASK, policy=policy, block_size=4, cache=cache, **options)
+            steps = rec.take()
+            for row, p in enumerate(_prompts()):
+                ref = fast_dllm_reference(m, p, 11, eos_id, 4, policy, **options)
+                assert (out.tokens[row], out.nfe[row]) == ref[:2], (cache, eos_id, row)
+                assert_same_steps(steps[row], ref[2], f"{cache} eos {eos_id} row {row}")
+    assert len(out.tokens[1]) <= 5
+    if not label_shift:
+        plain = generate(m, _prompts(), 11, eos, PAD, MASK, block_size=4, **POLICIES[0][1])
+        assert (plain.tokens, plain.nfe) == (out.tokens, out.nfe)
 
 
 def test_fast_dllm_nfe_counts():

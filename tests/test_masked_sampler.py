@@ -5,6 +5,7 @@ import torch
 
 from dlm.sampling.masked import generate
 from tests.conftest import assert_batched_equals_one_by_one, perturb, tiny_model
+from tests.step_logits import StepLogits, assert_batched_steps_equal_one_by_one, assert_same_steps, log_probs
 
 PAD, EOS, MASK, VOCAB = 0, 1, 2, 40
 NEVER = 99  # an EOS id outside the vocabulary: never produced
@@ -27,8 +28,9 @@ def _prompts(lengths=(3, 7, 5)):
 
 
 def reference(model, prompt, gen_length, eos_id, policy, reveal_count=2, confidence_threshold=0.9, block_size=None):
-    """One prompt, no padding, Python loops over positions; the rule applied literally on (-confidence, position)."""
-    P, seq, nfe = len(prompt), list(prompt) + [MASK] * gen_length, 0
+    """One prompt, no padding, Python loops over positions; the rule applied literally on (-confidence, position).
+    Returns (tokens, NFE, steps): per step, the log-probabilities at each eligible position (offset from the end)."""
+    P, seq, nfe, steps = len(prompt), list(prompt) + [MASK] * gen_length, 0, []
 
     def finished():
         for x in seq[P:]:
@@ -46,6 +48,7 @@ def reference(model, prompt, gen_length, eos_id, policy, reveal_count=2, confide
         if block_size is not None:
             block = (masked[0] - P) // block_size
             masked = [i for i in masked if (i - P) // block_size == block]
+        steps.append({i - len(seq): log_probs(logits[i]) for i in masked})
         conf, tok = {}, {}
         for i in masked:
             row = logits[i].clone()
@@ -62,27 +65,31 @@ def reference(model, prompt, gen_length, eos_id, policy, reveal_count=2, confide
         for i in chosen:
             seq[i] = tok[i]
     region = seq[P:]
-    return region[: region.index(eos_id)] if eos_id in region else region, nfe
+    return region[: region.index(eos_id)] if eos_id in region else region, nfe, steps
 
 
 def _no_mask(out):
     assert all(MASK not in row for row in out.tokens)
 
 
-def test_matches_reference_for_each_policy_full_and_block():
-    """With an EOS that never appears, then with one the sampler produces mid-way (so rows stop early)."""
-    m = _model()
+def test_matches_reference_for_each_policy_full_and_block(monkeypatch):
+    """With an EOS that never appears, then with one the sampler produces mid-way (so rows stop early). Each batched,
+    left-padded row takes the reference's steps with its log-probabilities at every eligible position."""
+    m, rec = _model(), StepLogits(monkeypatch)
     for block_size in (None, 4):
         for policy, options in POLICIES:
             free = generate(m, _prompts(), 12, NEVER, PAD, MASK, policy=policy, block_size=block_size, **options)
             eos = free.tokens[1][4]
+            steps = {NEVER: rec.take()}
             out = generate(m, _prompts(), 12, eos, PAD, MASK, policy=policy, block_size=block_size, **options)
+            steps[eos] = rec.take()
             assert len(out.tokens[1]) <= 4
             for run, eos_id in ((free, NEVER), (out, eos)):
                 _no_mask(run)
-                for p, toks, nfe in zip(_prompts(), run.tokens, run.nfe):
+                for row, (p, toks, nfe) in enumerate(zip(_prompts(), run.tokens, run.nfe)):
                     ref = reference(m, p, 12, eos_id, policy, block_size=block_size, **options)
-                    assert (toks, nfe) == ref, (eos_id, block_size, policy)
+                    assert (toks, nfe) == ref[:2], (eos_id, block_size, policy)
+                    assert_same_steps(steps[eos_id][row], ref[2], f"{policy} block {block_size} row {row}")
 
 
 def test_reference_cases_exercise_the_threshold():
@@ -93,21 +100,26 @@ def test_reference_cases_exercise_the_threshold():
     assert max(per_step) > 1 and min(per_step) == 1
 
 
-def test_batched_equals_one_by_one():
-    m = _model(seed=2)
+def test_batched_equals_one_by_one(monkeypatch):
+    m, rec = _model(seed=2), StepLogits(monkeypatch)
     prompts = _prompts((3, 7, 5, 1))
     for block_size in (None, 4):
         for policy, options in POLICIES:
             assert_batched_equals_one_by_one(generate, m, prompts, 10, EOS, PAD, MASK, policy=policy,
                                              block_size=block_size, **options)
+            assert_batched_steps_equal_one_by_one(rec, generate, m, prompts, 10, EOS, PAD, MASK, policy=policy,
+                                                  block_size=block_size, **options)
 
 
-def test_label_shift_model_matches_reference():
-    m = _model(label_shift=True)
+def test_label_shift_model_matches_reference(monkeypatch):
+    m, rec = _model(label_shift=True), StepLogits(monkeypatch)
     for block_size in (None, 4):
         out = generate(m, _prompts(), 12, NEVER, PAD, MASK, policy="top_u", reveal_count=2, block_size=block_size)
-        for p, toks, nfe in zip(_prompts(), out.tokens, out.nfe):
-            assert (toks, nfe) == reference(m, p, 12, NEVER, "top_u", 2, block_size=block_size)
+        steps = rec.take()
+        for row, (p, toks, nfe) in enumerate(zip(_prompts(), out.tokens, out.nfe)):
+            ref = reference(m, p, 12, NEVER, "top_u", 2, block_size=block_size)
+            assert (toks, nfe) == ref[:2]
+            assert_same_steps(steps[row], ref[2], f"block {block_size} row {row}")
 
 
 def test_stops_at_eos_with_nfe_savings():
