@@ -133,6 +133,9 @@ EXPLAINED: dict[str, str] = {
     # ---- end progressive/trajectories ----
     #
     # ---- sampling/masked.py, sampling/block_cache.py, sampling/steps.py (add entries below this line) ----
+    **{f"sampling.steps.x_record_step__mutmut_{i}": _DEVICE for i in (5, 8, 11, 13)},
+    **{f"sampling.steps.x.Progress.__init____mutmut_{i}": _DEVICE for i in (12, 15)},
+    "sampling.steps.x.Progress.working__mutmut_6": _DIM,
 
     # ---- end sampling masked/block_cache/steps ----
     #

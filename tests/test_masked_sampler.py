@@ -150,7 +150,8 @@ def test_eos_as_the_first_token_gives_an_empty_output():
 def test_nfe_counts():
     m, G = tiny_model(VOCAB, attention="bidirectional", family="masked"), 11  # untrained: confidences ~ 1/VOCAB
     prompts = _prompts()
-    assert generate(m, prompts, G, NEVER, PAD, MASK, policy="top_u", reveal_count=1).nfe == [G] * 3
+    nfe = generate(m, prompts, G, NEVER, PAD, MASK, policy="top_u", reveal_count=1).nfe
+    assert nfe == [G] * 3 and all(type(n) is int for n in nfe)  # counts, as Python ints
     assert generate(m, prompts, G, NEVER, PAD, MASK, policy="top_u", reveal_count=2).nfe == [math.ceil(G / 2)] * 3
     assert generate(m, prompts, G, NEVER, PAD, MASK, reveal_count=3, block_size=4).nfe == [2 + 2 + 1] * 3
     one = generate(m, prompts, G, NEVER, PAD, MASK, policy="top_u", reveal_count=1)
@@ -209,7 +210,8 @@ class _BiasedModel(torch.nn.Module):
 
 def test_rejects_bad_options():
     m = _model()
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="^unknown policy 'nope'; choose one of top_u, threshold, "
+                                         "top_u_or_threshold$"):
         generate(m, _prompts(), 4, NEVER, PAD, MASK, policy="nope")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="mask_id and eos_id must differ"):
         generate(m, _prompts(), 4, MASK, PAD, MASK)
