@@ -40,13 +40,14 @@ class StepLogits:
         return rows
 
 
-def assert_same_steps(a: list[dict[int, torch.Tensor]], b: list[dict[int, torch.Tensor]], what: str = ""):
+def assert_same_steps(a: list[dict[int, torch.Tensor]], b: list[dict[int, torch.Tensor]], what: str = "",
+                      tol: dict | None = None):
     """The same number of steps (NFE), each at the same eligible positions with the same log-probabilities."""
     assert len(a) == len(b), f"{what}: {len(a)} steps vs {len(b)}"
     for t, (sa, sb) in enumerate(zip(a, b)):
         assert sorted(sa) == sorted(sb), f"{what} step {t}: eligible positions {sorted(sa)} vs {sorted(sb)}"
         torch.testing.assert_close(torch.stack([sa[k] for k in sorted(sa)]), torch.stack([sb[k] for k in sorted(sb)]),
-                                   **TOL, msg=lambda m, t=t: f"{what} step {t}: log-probabilities differ: {m}")
+                                   **(tol or TOL), msg=lambda m, t=t: f"{what} step {t}: log-probabilities differ: {m}")
 
 
 def log_probs(logits_row: torch.Tensor) -> torch.Tensor:

@@ -215,3 +215,99 @@ def test_rejects_bad_options():
         generate(m, _prompts(), 4, NEVER, PAD, MASK, policy="nope")
     with pytest.raises(ValueError, match="mask_id and eos_id must differ"):
         generate(m, _prompts(), 4, MASK, PAD, MASK)
+
+
+def _carry_model(label_shift, seed=5):
+    """A full-canvas model with a carry whose LayerNorm is not the zero init (the carry must change the outputs)."""
+    from dlm.modeling.carry import CARRY_MODULE
+
+    m = tiny_model(VOCAB, attention="bidirectional", family="masked", label_shift=label_shift, seed=seed,
+                   mask_token_id=MASK, carry=True)
+    norm = getattr(m.backbone, CARRY_MODULE)
+    g = torch.Generator().manual_seed(seed + 100)
+    with torch.no_grad():
+        norm.weight.copy_(1 + torch.randn(norm.weight.shape, generator=g))
+        norm.bias.copy_(torch.randn(norm.bias.shape, generator=g))
+    return perturb(m, seed)
+
+
+def carry_reference(model, prompt, gen_length, eos_id, reveal_count, block_size=None, reset_per_block=False):
+    """One prompt, top-u, the carry applied by hand (PUMBA Eq. 3.1): zero at the first step, then LayerNorm of the
+    previous step's last hidden state added to every position's embedding (shifted right by one under label shift),
+    restarted from zero when the decoded block changes if `reset_per_block` (App. B.4.3). Returns (tokens, NFE,
+    steps) like `reference`."""
+    from dlm.modeling.carry import CARRY_MODULE
+
+    backbone, label_shift = model.backbone, model.spec.label_shift
+    P, seq, nfe, steps = len(prompt), list(prompt) + [MASK] * gen_length, 0, []
+    h, last = torch.zeros(P + gen_length, model.config.hidden_size), 0
+
+    def finished():
+        for x in seq[P:]:
+            if x == MASK:
+                return False
+            if x == eos_id:
+                return True
+        return True
+
+    while not finished():
+        masked = [i for i in range(P, P + gen_length) if seq[i] == MASK]
+        block = (masked[0] - P) // block_size if block_size else 0
+        if reset_per_block and block != last:
+            h = torch.zeros_like(h)
+        last = block
+        masked = [i for i in masked if block_size is None or (i - P) // block_size == block]
+        with torch.no_grad():
+            added = getattr(backbone, CARRY_MODULE)(h)
+            if label_shift:  # the state at i - 1 predicted token i: it feeds position i
+                added = torch.cat([torch.zeros_like(added[:1]), added[:-1]])
+            embeds = backbone.get_input_embeddings()(torch.tensor([seq]))[0] + added
+            h = backbone.base_model(inputs_embeds=embeds[None]).last_hidden_state[0]
+            logits = backbone.get_output_embeddings()(h)
+        nfe += 1
+        pred = {i: logits[i - 1 if label_shift else i] for i in masked}
+        steps.append({i - len(seq): log_probs(pred[i]) for i in masked})
+        conf, tok = {}, {}
+        for i in masked:
+            row = pred[i].clone()
+            row[MASK] = float("-inf")
+            probs = torch.softmax(row, dim=-1)
+            conf[i], tok[i] = float(probs.max()), int(probs.argmax())
+        for i in sorted(masked, key=lambda i: (-conf[i], i))[:reveal_count]:
+            seq[i] = tok[i]
+    region = seq[P:]
+    return region[: region.index(eos_id)] if eos_id in region else region, nfe, steps
+
+
+@pytest.mark.parametrize("label_shift,block_size,reset", [(True, 4, True), (False, 4, False), (True, None, False)])
+def test_full_canvas_carry_matches_reference(label_shift, block_size, reset, monkeypatch):
+    """A carry model on the full canvas: batched, left-padded rows take the hand-applied carry's steps with its
+    log-probabilities (the carry passes from step to step, across blocks unless `reset_carry_per_block`)."""
+    m, rec = _carry_model(label_shift), StepLogits(monkeypatch)
+    out = generate(m, _prompts(), 10, NEVER, PAD, MASK, reveal_count=2, block_size=block_size,
+                   reset_carry_per_block=reset)
+    steps = rec.take()
+    for row, p in enumerate(_prompts()):
+        ref = carry_reference(m, p, 10, NEVER, 2, block_size, reset)
+        assert (out.tokens[row], out.nfe[row]) == ref[:2], row
+        # the carry feeds each step's float rounding (batched shapes differ from the reference's) into the next, on
+        # this perturbed model ~10x per step: ~1e-3 after 5 steps, where a wrong carry moves log-probs by units
+        assert_same_steps(steps[row], ref[2], f"row {row}", tol=dict(rtol=1e-3, atol=1e-2))
+    if reset:  # the reset is exercised: without it the numbers differ
+        kept = carry_reference(m, _prompts()[0], 10, NEVER, 2, block_size, False)[2]
+        assert any(not torch.allclose(a[k], b[k], atol=1e-3) for a, b in zip(steps[0], kept) for k in a if k in b)
+
+
+def test_live_trace_and_bad_block_options():
+    """`trace=` (a live view, `dlm serve`) receives every step as it happens, without return_trace; a block size
+    below 1 and Fast-dLLM's caches on a carry model are refused."""
+    m, live = _model(), []
+    out = generate(m, _prompts(), 8, NEVER, PAD, MASK, reveal_count=2, trace=live)
+    assert len(live) == max(out.nfe) == 4 and out.trace is live
+    assert live[-1]["canvas"][:, -8:].tolist() == out.tokens
+    with pytest.raises(ValueError, match="^block_size must be >= 1, got 0$"):
+        generate(m, _prompts(), 8, NEVER, PAD, MASK, block_size=0)
+    from dlm.errors import OptionsError
+
+    with pytest.raises(OptionsError, match="full-canvas models without a carry"):
+        generate(_carry_model(False), _prompts(), 8, NEVER, PAD, MASK, block_size=4, cache="prefix")
