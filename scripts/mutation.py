@@ -51,9 +51,15 @@ MODULES: dict[str, list[str]] = {
                                  "tests/test_paper_constants.py"],
     "training/trajectories.py": ["tests/test_progressive.py", "tests/test_block_training.py"],
     "sampling/autoregressive.py": ["tests/test_ar_sampler.py"],
-    "sampling/masked.py": ["tests/test_masked_sampler.py", "tests/test_block_decoding.py"],
+    # the masked samplers: each survivor reruns every mapped test, so the maps keep the tests that reach the module's
+    # code paths (test_block_decoding's full-canvas-only and block-cache-only tests add minutes, not kills)
+    "sampling/masked.py": ["tests/test_masked_sampler.py", *(f"tests/test_block_decoding.py::test_{t}" for t in (
+        "uncached_and_cached_match_the_reference", "nfe_counts_and_block_size_from_the_model",
+        "rejects_bad_cache_options", "fast_dllm_matches_its_reference"))],
     "sampling/block_cache.py": ["tests/test_block_decoding.py"],
-    "sampling/steps.py": ["tests/test_block_decoding.py", "tests/test_masked_sampler.py"],
+    "sampling/steps.py": ["tests/test_masked_sampler.py", *(f"tests/test_block_decoding.py::test_{t}" for t in (
+        "uncached_and_cached_match_the_reference", "only_the_current_block_is_eligible",
+        "fast_dllm_matches_its_reference"))],
     "sampling/simplex.py": ["tests/test_simplex.py", "tests/test_guidance.py"],
     "sampling/guidance.py": ["tests/test_guidance.py"],
 }
