@@ -494,3 +494,14 @@ def test_fast_dllm_matches_its_reference(label_shift, monkeypatch):
     # the two caches are really different approximations here: some later step's numbers differ
     a, b = numbers["prefix", NEVER][0], numbers["dual", NEVER][0]
     assert any(not torch.allclose(x[k], y[k], atol=1e-3) for x, y in zip(a, b) for k in x if k in y)
+    # alone: a one-token prompt (the output before the first block is at position 0), and a row whose EOS is the
+    # first generated token, so every row is done before the last block
+    short, first = _prompts((1,)), free.tokens[0][0]
+    for cache in ("prefix", "dual"):
+        for prompts, eos_id in ((short, NEVER), (_prompts()[:1], first)):
+            rec.take()
+            out = generate(m, prompts, 11, eos_id, PAD, MASK, block_size=4, cache=cache, **POLICIES[0][1])
+            ref = fast_dllm_cache_reference(m, prompts[0], 11, eos_id, 4, cache, "top_u", **POLICIES[0][1])
+            assert (out.tokens[0], out.nfe[0]) == ref[:2], (cache, eos_id)
+            assert_same_steps(rec.take()[0], ref[2], f"{cache} alone, eos {eos_id}")
+    assert out.tokens == [[]] and out.nfe[0] <= 2
