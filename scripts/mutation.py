@@ -142,6 +142,14 @@ EXPLAINED: dict[str, str] = {
     **{f"sampling.steps.x_record_step__mutmut_{i}": _DEVICE for i in (5, 8, 11, 13)},
     **{f"sampling.steps.x.Progress.__init____mutmut_{i}": _DEVICE for i in (12, 15)},
     "sampling.steps.x.Progress.working__mutmut_6": _DIM,
+    **{f"sampling.block_cache.x__padding_mask__mutmut_{i}": _DEVICE for i in (7, 13)},
+    **{f"sampling.block_cache.x__padding_mask__mutmut_{i}": "the additive mask built in float32 instead of the "
+       "model's dtype: its 0 and finfo(dtype).min are exact in float32 and the attention adds it to scores in the "
+       "query's dtype (checked on a bf16 model: same tokens and NFE)" for i in (6, 12)},
+    **{f"sampling.block_cache.x_decode_fast_dllm__mutmut_{i}": "use_cache False/None/default on the refresh pass: "
+       "a cache object is passed, and the backbone fills a given cache either way (transformers 5.24)"
+       for i in (41, 47, 55)},
+    "sampling.block_cache.x_decode_fast_dllm__mutmut_42": "align=None instead of False: falsy, the same raw outputs",
 
     # ---- end sampling masked/block_cache/steps ----
     #

@@ -505,3 +505,13 @@ def test_fast_dllm_matches_its_reference(label_shift, monkeypatch):
             assert (out.tokens[0], out.nfe[0]) == ref[:2], (cache, eos_id)
             assert_same_steps(rec.take()[0], ref[2], f"{cache} alone, eos {eos_id}")
     assert out.tokens == [[]] and out.nfe[0] <= 2
+
+
+def test_padding_with_the_mask_token_changes_nothing():
+    """Left padding is invisible whatever its id: padding with the mask token itself gives the same tokens and NFE
+    on every decoding path (a decoder that looked for masks in the prompt part would never finish)."""
+    full, block = _full_model(label_shift=True), _block_model(label_shift=True)
+    for model, options in ((full, dict(block_size=4, cache="prefix")), (full, dict(block_size=4, cache="dual")),
+                           (block, dict(kv_cache=True)), (block, dict(kv_cache=False)), (full, dict(block_size=4))):
+        a, b = (generate(model, _prompts(), 10, NEVER, pad, MASK, reveal_count=2, **options) for pad in (PAD, MASK))
+        assert (a.tokens, a.nfe) == (b.tokens, b.nfe), options
