@@ -171,7 +171,8 @@ def test_nfe_counts_and_block_size_from_the_model():
         assert generate(m, _prompts(), 10, NEVER, PAD, MASK, reveal_count=3, block_size=5,
                         kv_cache=kv_cache).nfe == [4] * 3
     m.spec.block_size = None
-    with pytest.raises(ValueError, match="block_size"):
+    with pytest.raises(ValueError, match="^a block-causal model needs a block_size: pass block_size= or set "
+                                         "block_size in its dlm.json$"):
         generate(m, _prompts(), 10, NEVER, PAD, MASK)
 
 
@@ -339,11 +340,13 @@ def test_fast_dllm_nfe_counts():
 
 def test_rejects_bad_cache_options():
     full, block = _full_model(), _block_model()
-    with pytest.raises(ValueError, match="block_size"):
+    message = (r"^cache='prefix'/'dual' \(Fast-dLLM\) is for full-canvas models without a carry and needs a "
+               "block_size; block-causal models use kv_cache instead$")
+    with pytest.raises(ValueError, match=message):
         generate(full, _prompts(), 4, NEVER, PAD, MASK, cache="prefix")
-    with pytest.raises(ValueError, match="kv_cache"):
+    with pytest.raises(ValueError, match=message):
         generate(block, _prompts(), 4, NEVER, PAD, MASK, cache="dual")
-    with pytest.raises(ValueError, match="unknown cache"):
+    with pytest.raises(ValueError, match=r"^unknown cache 'suffix'; choose prefix or dual \(or None for no cache\)$"):
         generate(full, _prompts(), 4, NEVER, PAD, MASK, block_size=2, cache="suffix")
 
 

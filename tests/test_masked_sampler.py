@@ -213,7 +213,7 @@ def test_rejects_bad_options():
     with pytest.raises(ValueError, match="^unknown policy 'nope'; choose one of top_u, threshold, "
                                          "top_u_or_threshold$"):
         generate(m, _prompts(), 4, NEVER, PAD, MASK, policy="nope")
-    with pytest.raises(ValueError, match="mask_id and eos_id must differ"):
+    with pytest.raises(ValueError, match="^mask_id and eos_id must differ$"):
         generate(m, _prompts(), 4, MASK, PAD, MASK)
 
 
@@ -309,5 +309,38 @@ def test_live_trace_and_bad_block_options():
         generate(m, _prompts(), 8, NEVER, PAD, MASK, block_size=0)
     from dlm.errors import OptionsError
 
-    with pytest.raises(OptionsError, match="full-canvas models without a carry"):
+    with pytest.raises(OptionsError, match=r"^cache=.prefix./.dual. \(Fast-dLLM\) is for full-canvas models without a carry and needs a block_size; block-causal models use kv_cache instead$"):
         generate(_carry_model(False), _prompts(), 8, NEVER, PAD, MASK, block_size=4, cache="prefix")
+
+
+def test_defaults():
+    """What a call without options does: greedy top-u with u = 2, tau = 0.9 for the threshold policies, no trace, the
+    carry kept across blocks, and a block-causal model decoded with the KV cache (its later steps run one block)."""
+    m = _model()
+    default = generate(m, _prompts(), 8, NEVER, PAD, MASK)
+    explicit = generate(m, _prompts(), 8, NEVER, PAD, MASK, policy="top_u", reveal_count=2, temperature=0.0)
+    assert (default.tokens, default.nfe, default.trace) == (explicit.tokens, explicit.nfe, None)
+    assert default.nfe == [4] * 3
+    bias = torch.zeros(VOCAB)
+    bias[5] = 8.0  # confident predictions: some above tau = 0.9, not all
+    confident = _BiasedModel(m, bias)
+    for policy in ("threshold", "top_u_or_threshold"):
+        runs = [generate(confident, _prompts(), 8, NEVER, PAD, MASK, policy=policy, **tau)
+                for tau in ({}, dict(confidence_threshold=0.9), dict(confidence_threshold=1.0))]
+        assert (runs[0].tokens, runs[0].nfe) == (runs[1].tokens, runs[1].nfe), policy
+        assert runs[0].nfe != runs[2].nfe, policy  # tau matters here
+    carry = _carry_model(label_shift=True)
+    rec = []
+    for options in ({}, dict(reset_carry_per_block=False)):
+        out = generate(carry, _prompts(), 8, NEVER, PAD, MASK, block_size=4, return_trace=True, **options)
+        rec.append(out)
+    assert rec[0].tokens == rec[1].tokens
+    torch.testing.assert_close(torch.stack([s["confidence"] for s in rec[0].trace]),
+                               torch.stack([s["confidence"] for s in rec[1].trace]))
+    block = tiny_model(VOCAB, attention="block_causal", family="masked", block_size=4)
+    for options, narrowest in (({}, 4), (dict(kv_cache=False), 7 + 8)):
+        widths = []
+        hook = block.register_forward_pre_hook(lambda mod, args: widths.append(args[0].shape[1]))
+        generate(block, _prompts(), 8, NEVER, PAD, MASK, reveal_count=1, **options)
+        hook.remove()
+        assert min(widths) == narrowest, options
