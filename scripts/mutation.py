@@ -146,10 +146,22 @@ EXPLAINED: dict[str, str] = {
     **{f"sampling.block_cache.x__padding_mask__mutmut_{i}": "the additive mask built in float32 instead of the "
        "model's dtype: its 0 and finfo(dtype).min are exact in float32 and the attention adds it to scores in the "
        "query's dtype (checked on a bf16 model: same tokens and NFE)" for i in (6, 12)},
-    **{f"sampling.block_cache.x_decode_fast_dllm__mutmut_{i}": "use_cache False/None/default on the refresh pass: "
-       "a cache object is passed, and the backbone fills a given cache either way (transformers 5.24)"
-       for i in (41, 47, 55)},
-    "sampling.block_cache.x_decode_fast_dllm__mutmut_42": "align=None instead of False: falsy, the same raw outputs",
+    "sampling.block_cache.x_decode_block_causal__mutmut_87": "block_causal_mask's dtype left at float32: as for "
+                                                             "_padding_mask (checked on a bf16 model: the same "
+                                                             "confidences, bit for bit)",
+    **{f"sampling.block_cache.x_decode_fast_dllm__mutmut_{i}": "use_cache False/None/default with a cache object "
+       "passed: the backbone fills a given cache either way (transformers 5.24)" for i in (41, 47, 55, 171, 177, 179)},
+    **{f"sampling.block_cache.x_decode_fast_dllm__mutmut_{i}": "align=None instead of False: falsy, the same raw "
+       "outputs" for i in (42, 172)},
+    **{f"sampling.block_cache.x_decode_block_causal__mutmut_{i}": _DEVICE for i in (11, 16, 69, 71)},
+    "sampling.block_cache.x_decode_block_causal__mutmut_17": "the block ids computed P positions too long: every "
+                                                             "use slices them to [:e] with e <= L, the same ids",
+    "sampling.block_cache.x_decode_block_causal__mutmut_90": "the LM head also run at the position before the block "
+                                                             "without label shift: one more logit, sliced off; the "
+                                                             "block's logits are the same",
+    "sampling.block_cache.x_decode_fast_dllm__mutmut_159": "`<=`: the step's rows, mask and cache are also "
+                                                           "narrowed when every row goes on, to themselves (a copy, "
+                                                           "the same values)",
 
     # ---- end sampling masked/block_cache/steps ----
     #

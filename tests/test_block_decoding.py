@@ -518,3 +518,12 @@ def test_padding_with_the_mask_token_changes_nothing():
                            (block, dict(kv_cache=True)), (block, dict(kv_cache=False)), (full, dict(block_size=4))):
         a, b = (generate(model, _prompts(), 10, NEVER, pad, MASK, reveal_count=2, **options) for pad in (PAD, MASK))
         assert (a.tokens, a.nfe) == (b.tokens, b.nfe), options
+
+
+def test_a_batch_done_before_its_last_block():
+    """A row whose EOS is its first generated token is done within block 0: the cached and uncached decoders stop
+    there with an empty output and the same NFE."""
+    m = _block_model(label_shift=True)
+    first = generate(m, _prompts()[:1], 12, NEVER, PAD, MASK, kv_cache=False).tokens[0][0]
+    runs = [generate(m, _prompts()[:1], 12, first, PAD, MASK, kv_cache=kv) for kv in (False, True)]
+    assert runs[0].tokens == runs[1].tokens == [[]] and runs[0].nfe == runs[1].nfe and runs[1].nfe[0] <= 2
