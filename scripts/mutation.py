@@ -154,6 +154,9 @@ EXPLAINED: dict[str, str] = {
     **{f"sampling.block_cache.x_decode_fast_dllm__mutmut_{i}": "align=None instead of False: falsy, the same raw "
        "outputs" for i in (42, 172)},
     **{f"sampling.block_cache.x_decode_block_causal__mutmut_{i}": _DEVICE for i in (11, 16, 69, 71)},
+    **{f"sampling.block_cache.x_decode_block_causal__mutmut_{i}": "use_cache False/None/left out/misspelt (an "
+       "extra keyword the backbone passes on unread) with a cache object passed: the backbone fills a given cache "
+       "either way (transformers 5.24)" for i in (104, 109, 114, 116)},
     "sampling.block_cache.x_decode_block_causal__mutmut_17": "the block ids computed P positions too long: every "
                                                              "use slices them to [:e] with e <= L, the same ids",
     "sampling.block_cache.x_decode_block_causal__mutmut_90": "the LM head also run at the position before the block "
