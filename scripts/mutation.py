@@ -157,6 +157,15 @@ EXPLAINED: dict[str, str] = {
     **{f"sampling.block_cache.x_decode_block_causal__mutmut_{i}": "use_cache False/None/left out/misspelt (an "
        "extra keyword the backbone passes on unread) with a cache object passed: the backbone fills a given cache "
        "either way (transformers 5.24)" for i in (104, 109, 114, 116)},
+    **{f"sampling.block_cache.x_decode_block_causal__mutmut_{i}": _DEVICE for i in (125, 130)},
+    "sampling.block_cache.x_decode_block_causal__mutmut_121": "a zero carry built for a model without a carry: "
+                                                              "_forward never passes it on (no in_block)",
+    **{f"sampling.block_cache.x_decode_block_causal__mutmut_{i}": "a block's first-step zero carry built in "
+       "float32 or without its row dimension: carry_input casts it to the carry norm's dtype and broadcasts it over "
+       "the rows, zeros either way" for i in (126, 127, 131)},
+    "sampling.block_cache.x_decode_block_causal__mutmut_145": "a model without a carry run through the carry path "
+                                                              "with no carry: the same logits, plus hidden states "
+                                                              "nobody reads",
     "sampling.block_cache.x_decode_block_causal__mutmut_17": "the block ids computed P positions too long: every "
                                                              "use slices them to [:e] with e <= L, the same ids",
     "sampling.block_cache.x_decode_block_causal__mutmut_90": "the LM head also run at the position before the block "
