@@ -161,8 +161,8 @@ EXPLAINED: dict[str, str] = {
     "sampling.block_cache.x_decode_block_causal__mutmut_121": "a zero carry built for a model without a carry: "
                                                               "_forward never passes it on (no in_block)",
     **{f"sampling.block_cache.x_decode_block_causal__mutmut_{i}": "a block's first-step zero carry built in "
-       "float32 or without its row dimension: carry_input casts it to the carry norm's dtype and broadcasts it over "
-       "the rows, zeros either way" for i in (126, 127, 131)},
+       "float32 or without its row dimension: zeros are exact in any dtype, carry_input casts them to the carry "
+       "norm's dtype and broadcasts them over the rows: the same input to the model" for i in (126, 127, 131)},
     "sampling.block_cache.x_decode_block_causal__mutmut_145": "a model without a carry run through the carry path "
                                                               "with no carry: the same logits, plus hidden states "
                                                               "nobody reads",
