@@ -309,7 +309,9 @@ def test_live_trace_and_bad_block_options():
         generate(m, _prompts(), 8, NEVER, PAD, MASK, block_size=0)
     from dlm.errors import OptionsError
 
-    with pytest.raises(OptionsError, match=r"^cache=.prefix./.dual. \(Fast-dLLM\) is for full-canvas models without a carry and needs a block_size; block-causal models use kv_cache instead$"):
+    with pytest.raises(OptionsError, match=r"^cache=.prefix./.dual. \(Fast-dLLM\) is for full-canvas models "
+                                           "without a carry and needs a block_size; block-causal models use "
+                                           "kv_cache instead$"):
         generate(_carry_model(False), _prompts(), 8, NEVER, PAD, MASK, block_size=4, cache="prefix")
 
 
@@ -338,9 +340,10 @@ def test_defaults():
     torch.testing.assert_close(torch.stack([s["confidence"] for s in rec[0].trace]),
                                torch.stack([s["confidence"] for s in rec[1].trace]))
     block = tiny_model(VOCAB, attention="block_causal", family="masked", block_size=4)
+    widths = []
+    hook = block.register_forward_pre_hook(lambda mod, args: widths.append(args[0].shape[1]))
     for options, narrowest in (({}, 4), (dict(kv_cache=False), 7 + 8)):
-        widths = []
-        hook = block.register_forward_pre_hook(lambda mod, args: widths.append(args[0].shape[1]))
+        widths.clear()
         generate(block, _prompts(), 8, NEVER, PAD, MASK, reveal_count=1, **options)
-        hook.remove()
         assert min(widths) == narrowest, options
+    hook.remove()
