@@ -146,9 +146,8 @@ EXPLAINED: dict[str, str] = {
     **{f"sampling.block_cache.x__padding_mask__mutmut_{i}": "the additive mask built in float32 instead of the "
        "model's dtype: its 0 and finfo(dtype).min are exact in float32 and the attention adds it to scores in the "
        "query's dtype (checked on a bf16 model: same tokens and NFE)" for i in (6, 12)},
-    "sampling.block_cache.x_decode_block_causal__mutmut_87": "block_causal_mask's dtype left at float32: as for "
-                                                             "_padding_mask (checked on a bf16 model: the same "
-                                                             "confidences, bit for bit)",
+    **{f"sampling.block_cache.x_decode_block_causal__mutmut_{i}": "block_causal_mask's dtype left at float32: as "
+       "for _padding_mask (checked on a bf16 model: the same confidences, bit for bit)" for i in (87, 211)},
     **{f"sampling.block_cache.x_decode_fast_dllm__mutmut_{i}": "use_cache False/None/default with a cache object "
        "passed: the backbone fills a given cache either way (transformers 5.24)" for i in (41, 47, 55, 171, 177, 179)},
     **{f"sampling.block_cache.x_decode_fast_dllm__mutmut_{i}": "align=None instead of False: falsy, the same raw "
