@@ -155,7 +155,10 @@ EXPLAINED: dict[str, str] = {
     **{f"sampling.block_cache.x_decode_block_causal__mutmut_{i}": _DEVICE for i in (11, 16, 69, 71)},
     **{f"sampling.block_cache.x_decode_block_causal__mutmut_{i}": "use_cache False/None/left out/misspelt (an "
        "extra keyword the backbone passes on unread) with a cache object passed: the backbone fills a given cache "
-       "either way (transformers 5.24)" for i in (104, 109, 114, 116)},
+       "either way (transformers 5.24)" for i in (104, 109, 114, 116, 231, 235, 239, 240)},
+    "sampling.block_cache.x_decode_block_causal__mutmut_217": "`<=`: the step's rows, mask, positions, carry and "
+                                                              "cache are also narrowed when every row goes on, to "
+                                                              "themselves (a copy, the same values)",
     **{f"sampling.block_cache.x_decode_block_causal__mutmut_{i}": _DEVICE for i in (125, 130)},
     "sampling.block_cache.x_decode_block_causal__mutmut_121": "a zero carry built for a model without a carry: "
                                                               "_forward never passes it on (no in_block)",
