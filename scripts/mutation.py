@@ -153,6 +153,13 @@ EXPLAINED: dict[str, str] = {
     **{f"sampling.block_cache.x_decode_fast_dllm__mutmut_{i}": "align=None instead of False: falsy, the same raw "
        "outputs" for i in (42, 172)},
     **{f"sampling.block_cache.x_decode_block_causal__mutmut_{i}": _DEVICE for i in (11, 16, 69, 71)},
+    **{f"sampling.block_cache.x__forward__mutmut_{i}": "align=None instead of False: falsy, the same raw outputs"
+       for i in (3, 9)},
+    "sampling.block_cache.x._StepLayer.__init____mutmut_2": "is_initialized=False on a step layer: its own update "
+                                                            "never lazily initialises, and the backbone's only other "
+                                                            "reader (get_seq_length, for cache positions) is unused "
+                                                            "with explicit position ids and a 4-D mask: the same "
+                                                            "outputs (transformers 5.24)",
     **{f"sampling.block_cache.x_decode_block_causal__mutmut_{i}": "use_cache False/None/left out/misspelt (an "
        "extra keyword the backbone passes on unread) with a cache object passed: the backbone fills a given cache "
        "either way (transformers 5.24)" for i in (104, 109, 114, 116, 231, 235, 239, 240)},
