@@ -153,6 +153,19 @@ EXPLAINED: dict[str, str] = {
     **{f"sampling.block_cache.x_decode_fast_dllm__mutmut_{i}": "align=None instead of False: falsy, the same raw "
        "outputs" for i in (42, 172)},
     **{f"sampling.block_cache.x_decode_block_causal__mutmut_{i}": _DEVICE for i in (11, 16, 69, 71)},
+    **{f"sampling.masked.x_decode__mutmut_{i}": _DEVICE for i in (7, 9, 23, 28, 65, 69, 73, 76)},
+    "sampling.masked.x_decode__mutmut_15": "max(gen_length, 2) as the one block's size: differs only for gen_length "
+                                           "<= 1, where arange(G) // 1 and // 2 are the same",
+    "sampling.masked.x_decode__mutmut_45": "getattr default None instead of False: bool() of either is False",
+    "sampling.masked.x_decode__mutmut_86": "the unfinished rows always indexed by their ids, also when all are "
+                                           "unfinished: a copy of the same rows, the same values",
+    "sampling.masked.x_decode__mutmut_94": "the clamp of the first masked index raised past gen_length - 1: an "
+                                           "unfinished row always has a mask, so it never binds",
+    **{f"sampling.masked.x_decode__mutmut_{i}": "position ids left to the backbone, which counts from the left "
+       "padding: a constant shift per row, invisible to rotary embeddings (llama, mistral, qwen2)"
+       for i in (98, 100, 102)},
+    "sampling.masked.x_decode__mutmut_113": "block_causal_mask's dtype left at float32: as in block_cache (checked "
+                                            "on a bf16 model: the same confidences, bit for bit)",
     **{f"sampling.block_cache.x__forward__mutmut_{i}": "align=None instead of False: falsy, the same raw outputs"
        for i in (3, 9)},
     "sampling.block_cache.x._StepLayer.__init____mutmut_2": "is_initialized=False on a step layer: its own update "
