@@ -164,6 +164,8 @@ EXPLAINED: dict[str, str] = {
     **{f"sampling.masked.x_decode__mutmut_{i}": "position ids left to the backbone, which counts from the left "
        "padding: a constant shift per row, invisible to rotary embeddings (llama, mistral, qwen2)"
        for i in (98, 100, 102)},
+    "sampling.masked.x_decode__mutmut_118": "the block-change flag not cast before multiplying the float carry: "
+                                            "type promotion gives the same float result",
     "sampling.masked.x_decode__mutmut_113": "block_causal_mask's dtype left at float32: as in block_cache (checked "
                                             "on a bf16 model: the same confidences, bit for bit)",
     **{f"sampling.block_cache.x__forward__mutmut_{i}": "align=None instead of False: falsy, the same raw outputs"
