@@ -57,9 +57,15 @@ MODULES: dict[str, list[str]] = {
     "training/trajectories.py": ["tests/test_progressive.py", "tests/test_block_training.py",
                                  "tests/test_trajectory_pool_spec.py"],
     "sampling/autoregressive.py": ["tests/test_ar_sampler.py"],
-    "sampling/masked.py": ["tests/test_masked_sampler.py", "tests/test_block_decoding.py"],
+    # the masked samplers: each survivor reruns every mapped test, so the maps keep the tests that reach the module's
+    # code paths (test_block_decoding's full-canvas-only and block-cache-only tests add minutes, not kills)
+    "sampling/masked.py": ["tests/test_masked_sampler.py", *(f"tests/test_block_decoding.py::test_{t}" for t in (
+        "uncached_and_cached_match_the_reference", "nfe_counts_and_block_size_from_the_model",
+        "rejects_bad_cache_options", "fast_dllm_matches_its_reference"))],
     "sampling/block_cache.py": ["tests/test_block_decoding.py"],
-    "sampling/steps.py": ["tests/test_block_decoding.py", "tests/test_masked_sampler.py"],
+    "sampling/steps.py": ["tests/test_masked_sampler.py", *(f"tests/test_block_decoding.py::test_{t}" for t in (
+        "uncached_and_cached_match_the_reference", "only_the_current_block_is_eligible",
+        "fast_dllm_matches_its_reference"))],
     "sampling/simplex.py": ["tests/test_simplex.py", "tests/test_guidance.py",
                             "tests/test_simplex_sampler_reference.py", "tests/test_simplex_sampler_spec.py"],
     "sampling/guidance.py": ["tests/test_guidance.py", "tests/test_guidance_reference.py"],
@@ -196,6 +202,65 @@ EXPLAINED: dict[str, str] = {
     # ---- end progressive/trajectories ----
     #
     # ---- sampling/masked.py, sampling/block_cache.py, sampling/steps.py (add entries below this line) ----
+    **{f"sampling.steps.x_record_step__mutmut_{i}": _DEVICE for i in (5, 8, 11, 13)},
+    **{f"sampling.steps.x.Progress.__init____mutmut_{i}": _DEVICE for i in (12, 15)},
+    "sampling.steps.x.Progress.working__mutmut_6": _DIM,
+    **{f"sampling.block_cache.x__padding_mask__mutmut_{i}": _DEVICE for i in (7, 13)},
+    **{f"sampling.block_cache.x__padding_mask__mutmut_{i}": "the additive mask built in float32 instead of the "
+       "model's dtype: its 0 and finfo(dtype).min are exact in float32 and the attention adds it to scores in the "
+       "query's dtype (checked on a bf16 model: same tokens and NFE)" for i in (6, 12)},
+    **{f"sampling.block_cache.x_decode_block_causal__mutmut_{i}": "block_causal_mask's dtype left at float32: as "
+       "for _padding_mask (checked on a bf16 model: the same confidences, bit for bit)" for i in (87, 211)},
+    **{f"sampling.block_cache.x_decode_fast_dllm__mutmut_{i}": "use_cache False/None/default with a cache object "
+       "passed: the backbone fills a given cache either way (transformers 5.24)" for i in (41, 47, 55, 171, 177, 179)},
+    **{f"sampling.block_cache.x_decode_fast_dllm__mutmut_{i}": "align=None instead of False: falsy, the same raw "
+       "outputs" for i in (42, 172)},
+    **{f"sampling.block_cache.x_decode_block_causal__mutmut_{i}": _DEVICE for i in (11, 16, 69, 71)},
+    **{f"sampling.masked.x_decode__mutmut_{i}": _DEVICE for i in (7, 9, 23, 28, 65, 69, 73, 76)},
+    "sampling.masked.x_decode__mutmut_15": "max(gen_length, 2) as the one block's size: differs only for gen_length "
+                                           "<= 1, where arange(G) // 1 and // 2 are the same",
+    "sampling.masked.x_decode__mutmut_45": "getattr default None instead of False: bool() of either is False",
+    "sampling.masked.x_decode__mutmut_86": "the unfinished rows always indexed by their ids, also when all are "
+                                           "unfinished: a copy of the same rows, the same values",
+    "sampling.masked.x_decode__mutmut_94": "the clamp of the first masked index raised past gen_length - 1: an "
+                                           "unfinished row always has a mask, so it never binds",
+    **{f"sampling.masked.x_decode__mutmut_{i}": "position ids left to the backbone, which counts from the left "
+       "padding: a constant shift per row, invisible to rotary embeddings (llama, mistral, qwen2)"
+       for i in (98, 100, 102)},
+    "sampling.masked.x_decode__mutmut_118": "the block-change flag not cast before multiplying the float carry: "
+                                            "type promotion gives the same float result",
+    "sampling.masked.x_decode__mutmut_113": "block_causal_mask's dtype left at float32: as in block_cache (checked "
+                                            "on a bf16 model: the same confidences, bit for bit)",
+    **{f"sampling.block_cache.x__forward__mutmut_{i}": "align=None instead of False: falsy, the same raw outputs"
+       for i in (3, 9)},
+    "sampling.block_cache.x._StepLayer.__init____mutmut_2": "is_initialized=False on a step layer: its own update "
+                                                            "never lazily initialises, and the backbone's only other "
+                                                            "reader (get_seq_length, for cache positions) is unused "
+                                                            "with explicit position ids and a 4-D mask: the same "
+                                                            "outputs (transformers 5.24)",
+    **{f"sampling.block_cache.x_decode_block_causal__mutmut_{i}": "use_cache False/None/left out/misspelt (an "
+       "extra keyword the backbone passes on unread) with a cache object passed: the backbone fills a given cache "
+       "either way (transformers 5.24)" for i in (104, 109, 114, 116, 231, 235, 239, 240)},
+    "sampling.block_cache.x_decode_block_causal__mutmut_217": "`<=`: the step's rows, mask, positions, carry and "
+                                                              "cache are also narrowed when every row goes on, to "
+                                                              "themselves (a copy, the same values)",
+    **{f"sampling.block_cache.x_decode_block_causal__mutmut_{i}": _DEVICE for i in (125, 130)},
+    "sampling.block_cache.x_decode_block_causal__mutmut_121": "a zero carry built for a model without a carry: "
+                                                              "_forward never passes it on (no in_block)",
+    **{f"sampling.block_cache.x_decode_block_causal__mutmut_{i}": "a block's first-step zero carry built in "
+       "float32 or without its row dimension: zeros are exact in any dtype, carry_input casts them to the carry "
+       "norm's dtype and broadcasts them over the rows: the same input to the model" for i in (126, 127, 131)},
+    "sampling.block_cache.x_decode_block_causal__mutmut_145": "a model without a carry run through the carry path "
+                                                              "with no carry: the same logits, plus hidden states "
+                                                              "nobody reads",
+    "sampling.block_cache.x_decode_block_causal__mutmut_17": "the block ids computed P positions too long: every "
+                                                             "use slices them to [:e] with e <= L, the same ids",
+    "sampling.block_cache.x_decode_block_causal__mutmut_90": "the LM head also run at the position before the block "
+                                                             "without label shift: one more logit, sliced off; the "
+                                                             "block's logits are the same",
+    "sampling.block_cache.x_decode_fast_dllm__mutmut_159": "`<=`: the step's rows, mask and cache are also "
+                                                           "narrowed when every row goes on, to themselves (a copy, "
+                                                           "the same values)",
 
     # ---- end sampling masked/block_cache/steps ----
     #

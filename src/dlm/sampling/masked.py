@@ -105,8 +105,8 @@ def generate(
     return MaskedGeneration(tokens, nfe.tolist(), trace)
 
 
-def decode(model, canvas, attention, positions, P, block_size, step, eos_id, mask_id, trace, block_causal=False,
-           reset_carry_per_block=False) -> torch.Tensor:
+def decode(model, canvas, attention, positions, P, block_size, step, eos_id, mask_id, trace, block_causal,
+           reset_carry_per_block) -> torch.Tensor:
     """Denoise canvas[:, P:] in place, recomputing the whole canvas every step; returns the NFE per row. Each row
     works on its first block with a mask; a block-causal model sees it through the block-causal mask (the reference
     for the KV-cached decoding)."""
