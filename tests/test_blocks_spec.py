@@ -242,7 +242,8 @@ def test_block_forward_contract(no_env):
         # a DDP-style wrapper is read through `.module`
         assert torch.equal(block_forward(_Wrapper(model), canvas, target, prompt_len, width), logits)
     full = tiny_model(64, attention="bidirectional", family="masked", mask_token_id=MASK)
-    with pytest.raises(ValueError, match=r"^block_forward needs a model with spec.block_size \(a block-causal model\)$"):
+    with pytest.raises(ValueError,
+                       match=r"^block_forward needs a model with spec.block_size \(a block-causal model\)$"):
         block_forward(full, canvas, target, prompt_len, width)
 
 
@@ -325,7 +326,8 @@ def test_flex_block_forward_equals_dense(monkeypatch):
 
 def test_block_mask_is_defined_on_whole_tiles():
     """mask_mod may be called at indices up to the next whole tile of 128 (pytorch/pytorch#137801; the compiled CUDA
-    path does): it is defined there and allows no key beyond K but in opened rows; inside [Q, K] it is the dense mask."""
+    path does): it is defined there and allows no key beyond K but in opened rows; inside [Q, K] it is the dense
+    mask."""
     qb, kb = torch.tensor([[0, 0, 1, 1, 2], [0, 1, 1, 2, 2]]), torch.tensor([[0, 0, 1, 1, 2, 2, 3], [0] * 7])
     qn, kn = qb > 1, kb > 2
     valid = torch.tensor([[1] * 7, [0] * 7])
