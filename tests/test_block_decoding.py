@@ -258,6 +258,24 @@ def _one_layer_model(label_shift):
                          num_hidden_layers=1).eval(), 3)
 
 
+def _reveal(seq, masked, pred, policy, reveal_count, confidence_threshold):
+    """One reference step of the Fast-dLLM references: the mask token excluded, confidence = top probability, ties by
+    position; top-u reveals `reveal_count`, the threshold rule every position >= tau (at least the most confident)."""
+    conf, tok = {}, {}
+    for i in masked:
+        row = pred[i].clone()
+        row[MASK] = float("-inf")
+        probs = torch.softmax(row, dim=-1)
+        conf[i], tok[i] = float(probs.max()), int(probs.argmax())
+    order = sorted(masked, key=lambda i: (-conf[i], i))
+    if policy == "top_u":
+        chosen = order[:reveal_count]
+    else:
+        chosen = [i for i in order if conf[i] >= confidence_threshold] or order[:1]
+    for i in chosen:
+        seq[i] = tok[i]
+
+
 def fast_dllm_reference(model, prompt, gen_length, eos_id, block_size, policy, reveal_count=2,
                         confidence_threshold=0.9):
     """Fast-dLLM (Wu et al. 2026b, §3.2) on a one-layer model, by hand: one prompt, a full forward per step. With one
@@ -287,19 +305,7 @@ def fast_dllm_reference(model, prompt, gen_length, eos_id, block_size, policy, r
             pred = {i: (boundary if i == s else raw[i - 1]) if label_shift else raw[i] for i in range(s, e)}
             masked = [i for i in range(s, e) if seq[i] == MASK]
             steps.append({i - len(seq): log_probs(pred[i]) for i in masked})
-            conf, tok = {}, {}
-            for i in masked:
-                row = pred[i].clone()
-                row[MASK] = float("-inf")
-                probs = torch.softmax(row, dim=-1)
-                conf[i], tok[i] = float(probs.max()), int(probs.argmax())
-            order = sorted(masked, key=lambda i: (-conf[i], i))
-            if policy == "top_u":
-                chosen = order[:reveal_count]
-            else:
-                chosen = [i for i in order if conf[i] >= confidence_threshold] or order[:1]
-            for i in chosen:
-                seq[i] = tok[i]
+            _reveal(seq, masked, pred, policy, reveal_count, confidence_threshold)
         if finished():
             break
     region = seq[P:]
@@ -455,19 +461,7 @@ def fast_dllm_cache_reference(model, prompt, gen_length, eos_id, block_size, mod
             pred = {i: (boundary if i == s else out[i - 1]) if label_shift else out[i] for i in range(s, e)}
             masked = [i for i in range(s, e) if seq[i] == MASK]
             steps.append({i - L: log_probs(pred[i]) for i in masked})
-            conf, tok = {}, {}
-            for i in masked:
-                row = pred[i].clone()
-                row[MASK] = float("-inf")
-                probs = torch.softmax(row, dim=-1)
-                conf[i], tok[i] = float(probs.max()), int(probs.argmax())
-            order = sorted(masked, key=lambda i: (-conf[i], i))
-            if policy == "top_u":
-                chosen = order[:reveal_count]
-            else:
-                chosen = [i for i in order if conf[i] >= confidence_threshold] or order[:1]
-            for i in chosen:
-                seq[i] = tok[i]
+            _reveal(seq, masked, pred, policy, reveal_count, confidence_threshold)
         if finished():
             break
     region = seq[P:]
