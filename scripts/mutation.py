@@ -262,6 +262,21 @@ EXPLAINED: dict[str, str] = {
                                                            "narrowed when every row goes on, to themselves (a copy, "
                                                            "the same values)",
 
+    # masked.generate, mutants past the partial run (the whole module ran at the end of the session)
+    **{f"sampling.masked.x_generate__mutmut_{i}": _INT_DTYPE for i in (101, 105)},
+    **{f"sampling.masked.x_generate__mutmut_{i}": _DEVICE for i in (85, 88, 102, 106, 116, 120)},
+    **{f"sampling.masked.x_generate__mutmut_{i}": "the appended attention-mask columns are float, so torch.cat "
+       "promotes the mask (and the positions from its cumsum) to float 0/1 and whole numbers: the backbone reads "
+       "the same values" for i in (115, 119)},
+    "sampling.masked.x_generate__mutmut_124": "positions cumsum + 1 instead of - 1: every real token's position "
+                                              "moves by the same +2 (pads are masked), invisible to rotary "
+                                              "embeddings (llama, mistral, qwen2)",
+    "sampling.masked.x_generate__mutmut_126": _DIM,
+    **{f"sampling.masked.x_generate__mutmut_{i}": "getattr(spec, 'carry', default): ModelSpec always has a `carry` "
+       "field (default False), so the default is never read" for i in (39, 45)},
+    **{f"sampling.steps.x_first_index__mutmut_{i}": "+1 instead of -1 for the axis (or shape[:+1] for [:-1]): "
+       "first_index is only called on [B, G] regions, where both name the same axis" for i in (2, 12, 21, 24)},
+    **{f"sampling.steps.x_first_index__mutmut_{i}": _DEVICE for i in (8, 11)},
     # ---- end sampling masked/block_cache/steps ----
     #
     # ---- sampling/simplex.py, sampling/guidance.py (add entries below this line) ----

@@ -347,3 +347,19 @@ def test_defaults():
         generate(block, _prompts(), 8, NEVER, PAD, MASK, reveal_count=1, **options)
         assert min(widths) == narrowest, options
     hook.remove()
+
+
+@pytest.mark.parametrize("temperature", [0.5, 2.0])
+def test_candidates_sample_from_softmax_of_logits_over_temperature(temperature):
+    """At temperature T > 0 each position's token is a draw from softmax(logits / T) without the mask token, the
+    confidence still the greedy top probability (PUMBA §2): same generator, same draws as the reference."""
+    from dlm.sampling.steps import candidates
+
+    logits = torch.randn(4, 500, 12, generator=torch.Generator().manual_seed(0)) * 2
+    conf, tok = candidates(logits, 3, temperature, torch.Generator().manual_seed(7))
+    masked = logits.clone()
+    masked[..., 3] = float("-inf")
+    probs = torch.softmax(torch.log_softmax(masked, -1) / temperature, -1)
+    want = torch.multinomial(probs.flatten(0, -2), 1, generator=torch.Generator().manual_seed(7)).view(4, 500)
+    assert torch.equal(tok, want) and not (tok == 3).any()
+    assert torch.allclose(conf, torch.softmax(masked, -1).max(-1).values)
