@@ -28,7 +28,7 @@ def _plan(tmp_path) -> Path:
         "settings": {
             "data_dir": str(tmp_path / "runs" / "ar" / "data"), "runs_dir": str(tmp_path / "runs"), "n": 3,
             "max_new_tokens": 16, "batch_size": 3,
-            "eval_files": {"test": "test.jsonl", "unseen": "test_unseen.jsonl"},
+            "eval_files": {"test": "test.jsonl", "unseen": "late_unseen.jsonl"},  # a file the generator never writes
             "eval_arms": {"unseen": ["ar", "steps-2"]},
             "train": {"ar": entry("ar"), "adapt": entry("tess2-adapt", init="ar"),
                       "reward": entry("reward", init="ar"), "sft": entry("tess2-sft", seed="study", init="adapt")},
@@ -73,7 +73,7 @@ def study(tmp_path_factory):
     tess2_tinymath.main(["study", *cli])  # nothing left to do: no training, no evaluation
     second = {"train": list(calls["train"]), "evaluate": calls["evaluate"]}
     data = tmp / "runs" / "ar" / "data"
-    (data / "test_unseen.jsonl").write_text((data / "validation.jsonl").read_text())  # stands in for the unseen split
+    (data / "late_unseen.jsonl").write_text((data / "validation.jsonl").read_text())  # an evaluation file appears
     tess2_tinymath.main(["study", *cli])
     third = {"train": list(calls["train"]), "evaluate": calls["evaluate"] - second["evaluate"]}
     mp.undo()
