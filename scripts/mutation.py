@@ -345,6 +345,10 @@ Notes on reading the table:
   its reason below; "after, non-equivalent" = (killed + timeout) / (mutants - equivalent). Mutants that only drop a
   `device=` argument are counted as equivalent because this machine has no GPU: they are not testable here, and a
   run on a GPU machine should revisit them.
+- Where each "after" comes from: the modules of the first session from that session's run; blocks, progressive,
+  trajectories, simplex and guidance from the last run on the branch that worked on them (the merged tree has the
+  same module source and the same mapped tests; other branches only added tests elsewhere); masked, block_cache and
+  steps from runs on the merged tree at the end of the second session.
 - The sampling modules (masked, block_cache, steps, simplex, guidance) were first run in the next session: their
   "before" is the first run on 8c8a722 (that session's start, the same module -> tests map), before the tests
   written against their survivors. Where a module's source changed since (dead code removed), its mutant count
