@@ -65,3 +65,35 @@ def assert_batched_steps_equal_one_by_one(rec: StepLogits, generate, model, prom
         alone = generate(model, [p], *args, **kwargs)
         assert (alone.tokens[0], alone.nfe[0]) == (batched.tokens[row], batched.nfe[row]), row
         assert_same_steps(steps[row], rec.take()[0], f"row {row}")
+
+
+def reference_finished(seq: list[int], prompt_len: int, eos_id: int, mask_id: int) -> bool:
+    """The slow references' stopping rule: an EOS revealed with everything before it revealed, or nothing masked."""
+    for x in seq[prompt_len:]:
+        if x == mask_id:
+            return False
+        if x == eos_id:
+            return True
+    return True
+
+
+def reference_reveal(seq: list[int], masked: list[int], pred: dict, policy: str, reveal_count: int,
+                     confidence_threshold: float, mask_id: int) -> None:
+    """One step of the slow references, literally: the mask token excluded, confidence = top probability, order by
+    (-confidence, position); top_u reveals `reveal_count`, threshold every position >= tau (at least the first), and
+    any other policy the top `reveal_count` plus every later one >= tau."""
+    conf, tok = {}, {}
+    for i in masked:
+        row = pred[i].clone()
+        row[mask_id] = float("-inf")
+        probs = torch.softmax(row, dim=-1)
+        conf[i], tok[i] = float(probs.max()), int(probs.argmax())
+    order = sorted(masked, key=lambda i: (-conf[i], i))
+    if policy == "top_u":
+        chosen = order[:reveal_count]
+    elif policy == "threshold":
+        chosen = [i for i in order if conf[i] >= confidence_threshold] or order[:1]
+    else:
+        chosen = order[:reveal_count] + [i for i in order[reveal_count:] if conf[i] >= confidence_threshold]
+    for i in chosen:
+        seq[i] = tok[i]

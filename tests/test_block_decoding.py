@@ -10,7 +10,14 @@ from dlm.modeling.carry import CARRY_MODULE
 from dlm.sampling.masked import generate
 from dlm.sampling.steps import candidates, make_rule
 from tests.conftest import assert_batched_equals_one_by_one, assert_same_confidences, perturb, tiny_model
-from tests.step_logits import StepLogits, assert_batched_steps_equal_one_by_one, assert_same_steps, log_probs
+from tests.step_logits import (
+    StepLogits,
+    assert_batched_steps_equal_one_by_one,
+    assert_same_steps,
+    log_probs,
+    reference_finished,
+    reference_reveal,
+)
 
 PAD, EOS, MASK, VOCAB = 0, 1, 2, 40
 NEVER = 99  # an EOS id outside the vocabulary: never produced
@@ -52,12 +59,7 @@ def reference(model, prompt, gen_length, eos_id, policy, reveal_count=2, confide
     d = model.config.hidden_size
 
     def finished():
-        for x in seq[P:]:
-            if x == MASK:
-                return False
-            if x == eos_id:
-                return True
-        return True
+        return reference_finished(seq, P, eos_id, MASK)
 
     for s in range(P, P + G, bs):
         e, h = s + bs, torch.zeros(bs, d)  # the carry restarts at every block
@@ -80,19 +82,8 @@ def reference(model, prompt, gen_length, eos_id, policy, reveal_count=2, confide
             h = hidden[s:e]
             masked = [i for i in range(s, e) if seq[i] == MASK]
             steps.append({i - len(seq): log_probs(logits[i - 1 if spec.label_shift else i]) for i in masked})
-            conf, tok = {}, {}
-            for i in masked:
-                row = logits[i - 1 if spec.label_shift else i].clone()
-                row[MASK] = float("-inf")
-                probs = torch.softmax(row, dim=-1)
-                conf[i], tok[i] = float(probs.max()), int(probs.argmax())
-            order = sorted(masked, key=lambda i: (-conf[i], i))
-            if policy == "top_u":
-                chosen = order[:reveal_count]
-            else:
-                chosen = [i for i in order if conf[i] >= confidence_threshold] or order[:1]
-            for i in chosen:
-                seq[i] = tok[i]
+            pred = {i: logits[i - 1 if spec.label_shift else i] for i in masked}
+            reference_reveal(seq, masked, pred, policy, reveal_count, confidence_threshold, MASK)
         if finished():
             break
     region = seq[P:]
@@ -258,24 +249,6 @@ def _one_layer_model(label_shift):
                          num_hidden_layers=1).eval(), 3)
 
 
-def _reveal(seq, masked, pred, policy, reveal_count, confidence_threshold):
-    """One reference step of the Fast-dLLM references: the mask token excluded, confidence = top probability, ties by
-    position; top-u reveals `reveal_count`, the threshold rule every position >= tau (at least the most confident)."""
-    conf, tok = {}, {}
-    for i in masked:
-        row = pred[i].clone()
-        row[MASK] = float("-inf")
-        probs = torch.softmax(row, dim=-1)
-        conf[i], tok[i] = float(probs.max()), int(probs.argmax())
-    order = sorted(masked, key=lambda i: (-conf[i], i))
-    if policy == "top_u":
-        chosen = order[:reveal_count]
-    else:
-        chosen = [i for i in order if conf[i] >= confidence_threshold] or order[:1]
-    for i in chosen:
-        seq[i] = tok[i]
-
-
 def fast_dllm_reference(model, prompt, gen_length, eos_id, block_size, policy, reveal_count=2,
                         confidence_threshold=0.9):
     """Fast-dLLM (Wu et al. 2026b, §3.2) on a one-layer model, by hand: one prompt, a full forward per step. With one
@@ -287,12 +260,7 @@ def fast_dllm_reference(model, prompt, gen_length, eos_id, block_size, policy, r
     P, seq, nfe, steps = len(prompt), list(prompt) + [MASK] * gen_length, 0, []
 
     def finished():
-        for x in seq[P:]:
-            if x == MASK:
-                return False
-            if x == eos_id:
-                return True
-        return True
+        return reference_finished(seq, P, eos_id, MASK)
 
     for s in range(P, P + gen_length, block_size):
         e, boundary = min(s + block_size, P + gen_length), None
@@ -305,7 +273,7 @@ def fast_dllm_reference(model, prompt, gen_length, eos_id, block_size, policy, r
             pred = {i: (boundary if i == s else raw[i - 1]) if label_shift else raw[i] for i in range(s, e)}
             masked = [i for i in range(s, e) if seq[i] == MASK]
             steps.append({i - len(seq): log_probs(pred[i]) for i in masked})
-            _reveal(seq, masked, pred, policy, reveal_count, confidence_threshold)
+            reference_reveal(seq, masked, pred, policy, reveal_count, confidence_threshold, MASK)
         if finished():
             break
     region = seq[P:]
@@ -429,12 +397,7 @@ def fast_dllm_cache_reference(model, prompt, gen_length, eos_id, block_size, mod
     L = P + gen_length
 
     def finished():
-        for x in seq[P:]:
-            if x == MASK:
-                return False
-            if x == eos_id:
-                return True
-        return True
+        return reference_finished(seq, P, eos_id, MASK)
 
     for s in range(P, L, block_size):
         e, kept = min(s + block_size, L), None
@@ -461,7 +424,7 @@ def fast_dllm_cache_reference(model, prompt, gen_length, eos_id, block_size, mod
             pred = {i: (boundary if i == s else out[i - 1]) if label_shift else out[i] for i in range(s, e)}
             masked = [i for i in range(s, e) if seq[i] == MASK]
             steps.append({i - L: log_probs(pred[i]) for i in masked})
-            _reveal(seq, masked, pred, policy, reveal_count, confidence_threshold)
+            reference_reveal(seq, masked, pred, policy, reveal_count, confidence_threshold, MASK)
         if finished():
             break
     region = seq[P:]

@@ -5,7 +5,14 @@ import torch
 
 from dlm.sampling.masked import generate
 from tests.conftest import assert_batched_equals_one_by_one, perturb, tiny_model
-from tests.step_logits import StepLogits, assert_batched_steps_equal_one_by_one, assert_same_steps, log_probs
+from tests.step_logits import (
+    StepLogits,
+    assert_batched_steps_equal_one_by_one,
+    assert_same_steps,
+    log_probs,
+    reference_finished,
+    reference_reveal,
+)
 
 PAD, EOS, MASK, VOCAB = 0, 1, 2, 40
 NEVER = 99  # an EOS id outside the vocabulary: never produced
@@ -33,12 +40,7 @@ def reference(model, prompt, gen_length, eos_id, policy, reveal_count=2, confide
     P, seq, nfe, steps = len(prompt), list(prompt) + [MASK] * gen_length, 0, []
 
     def finished():
-        for x in seq[P:]:
-            if x == MASK:
-                return False
-            if x == eos_id:
-                return True
-        return True
+        return reference_finished(seq, P, eos_id, MASK)
 
     while not finished():
         with torch.no_grad():
@@ -49,21 +51,7 @@ def reference(model, prompt, gen_length, eos_id, policy, reveal_count=2, confide
             block = (masked[0] - P) // block_size
             masked = [i for i in masked if (i - P) // block_size == block]
         steps.append({i - len(seq): log_probs(logits[i]) for i in masked})
-        conf, tok = {}, {}
-        for i in masked:
-            row = logits[i].clone()
-            row[MASK] = float("-inf")
-            probs = torch.softmax(row, dim=-1)
-            conf[i], tok[i] = float(probs.max()), int(probs.argmax())
-        order = sorted(masked, key=lambda i: (-conf[i], i))
-        if policy == "top_u":
-            chosen = order[:reveal_count]
-        elif policy == "threshold":
-            chosen = [i for i in order if conf[i] >= confidence_threshold] or order[:1]
-        else:
-            chosen = order[:reveal_count] + [i for i in order[reveal_count:] if conf[i] >= confidence_threshold]
-        for i in chosen:
-            seq[i] = tok[i]
+        reference_reveal(seq, masked, {i: logits[i] for i in masked}, policy, reveal_count, confidence_threshold, MASK)
     region = seq[P:]
     return region[: region.index(eos_id)] if eos_id in region else region, nfe, steps
 
@@ -243,12 +231,7 @@ def carry_reference(model, prompt, gen_length, eos_id, reveal_count, block_size=
     h, last = torch.zeros(P + gen_length, model.config.hidden_size), 0
 
     def finished():
-        for x in seq[P:]:
-            if x == MASK:
-                return False
-            if x == eos_id:
-                return True
-        return True
+        return reference_finished(seq, P, eos_id, MASK)
 
     while not finished():
         masked = [i for i in range(P, P + gen_length) if seq[i] == MASK]
