@@ -277,8 +277,7 @@ def test_gpu_check_without_cuda_says_so_and_exits_0(tmp_path):
 
 
 def test_gpu_check_smoke_runs_every_part_on_cpu(tmp_path):
-    out, stdout, seconds = _gpu_check(tmp_path, "--smoke")
-    assert seconds < 120  # ~30 s on 2 idle cores
+    out, stdout, _ = _gpu_check(tmp_path, "--smoke")  # ~30 s on 2 idle cores (no timing assertion)
     summary = json.loads((out / "summary.json").read_text())
     status = {k: v["status"] for k, v in summary["parts"].items()}
     assert status.pop("block_attention_flex") in ("ok", "skipped: flex attention trains on CUDA only")
