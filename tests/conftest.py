@@ -7,8 +7,17 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 # 2 threads on an idle 2-core machine; DLM_TEST_THREADS=1 when the cores are shared (two OpenMP threads that wait on
-# each other's time slices make tiny-model steps 10-100x slower under a load above 2).
-torch.set_num_threads(int(os.environ.get("DLM_TEST_THREADS", "2")))
+# each other's time slices make tiny-model steps 10-100x slower under a load above 2), and always 1 in a pytest-xdist
+# worker (`pytest -n 2`: the two workers are the two cores).
+_default_threads = "1" if os.environ.get("PYTEST_XDIST_WORKER") else "2"
+torch.set_num_threads(int(os.environ.get("DLM_TEST_THREADS", _default_threads)))
+
+
+def pytest_collection_modifyitems(config, items):
+    """The slow tests (learning and distributed, minutes each) first, each file's order kept: under `pytest -n 2
+    --dist loadfile` the two workers start on the long files and the short ones fill in around them, instead of one
+    long file starting last on its own."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 @pytest.fixture(scope="session")

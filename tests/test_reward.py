@@ -87,6 +87,7 @@ def test_scores_from_ids_and_soft_embeddings_agree_and_survive_save_load(tmp_pat
         assert torch.allclose(reward_scores(loaded, last, input_ids=ids), a, atol=1e-6)
 
 
+@pytest.mark.slow  # a learning test (minutes): scheduled first under `pytest -n 2` (tests/conftest.py)
 def test_reward_model_learns_to_rank_tinymath_pairs(tmp_path):
     from dlm.config import load_recipe
     from dlm.training.loop import train
