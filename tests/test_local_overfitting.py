@@ -40,7 +40,8 @@ class _Stream:
 def _pool(K: int, size: int = 4, length: int = 24, seed: int = 0):
     stream = _Stream()
     coll = partial(collate, eos_id=EOS, pad_id=PAD)
-    pool = TrajectoryPool(size, length, stream.take, coll, MASK, lo.exact_stages(K), torch.Generator().manual_seed(seed))
+    pool = TrajectoryPool(size, length, stream.take, coll, MASK, lo.exact_stages(K),
+                          torch.Generator().manual_seed(seed))
     return pool, stream
 
 
