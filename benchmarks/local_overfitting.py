@@ -356,7 +356,8 @@ def report(json_path: Path, md_path: Path, png_path: Path) -> str:
     lines += ["", f"![mean log relative completion loss around insertion]({png_path.name})", "",
               "Relative losses are means over the inserted sequences that completed their stay of J updates within "
               "the run (n in the table); the plot shows the mean of the log relative loss against updates since "
-              "insertion, ±1 s.e. over them, thick while the sequence is in the batch (J updates; one for MDM), no smoothing.", "", "## Reading", ""]
+              "insertion, ±1 s.e. over them, thick while the sequence is in the batch (J updates; one for MDM), "
+              "no smoothing.", "", "## Reading", ""]
     lines += reading(rows, ref, st)
     text = "\n".join(lines) + "\n"
     md_path.write_text(text)
@@ -392,8 +393,9 @@ def reading(rows: dict, ref: float | None, st: dict) -> list[str]:
             f"(the Post-SFT form of §4) instead of training from scratch, {st['updates']} updates (paper 3,000) of "
             f"batch {st['batch_size']} (paper 256), on a shared 2-core CPU; K = round(M/u) with M counting the "
             "padding to the canvas (maskable, as on TinyGSM) while the loss covers the answer and its EOS only "
-            "(our recipes), so an answer gets fewer than u tokens per step on average; one seed and 12 inserted sequences, so the relative-loss numbers "
-            "carry the noise of 12 sequences and the validation loss that of its sequences."]
+            "(our recipes), so an answer gets fewer than u tokens per step on average; one seed and 12 inserted "
+            "sequences, so the relative-loss numbers carry the noise of 12 sequences and the validation loss that "
+            "of its sequences."]
     return out
 
 
