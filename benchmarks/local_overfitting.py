@@ -359,6 +359,10 @@ def report(json_path: Path, md_path: Path, png_path: Path) -> str:
               "the run (n in the table); the plot shows the mean of the log relative loss against updates since "
               "insertion, ±1 s.e. over them, thick while the sequence is in the batch (J updates; one for MDM), "
               "no smoothing.", "", "## Reading", ""]
+    start_val = {run["validation"]["loss"][0] for run in result["runs"].values()}
+    if len(start_val) == 1:
+        lines.append(f"- The warm start's validation completion loss (before any update, the same in every arm): "
+                     f"{start_val.pop():.3f}.")
     lines += reading(rows, ref, st)
     text = "\n".join(lines) + "\n"
     md_path.write_text(text)
@@ -387,7 +391,8 @@ def reading(rows: dict, ref: float | None, st: dict) -> list[str]:
                    f"{r['exit']:.2f} at exit (J={r['J']}).")
     if "mdm" in rows:
         m = rows["mdm"]
-        out.append(f"- mdm: relative loss minimum {m['minimum']:.2f}, {m['exit']:.2f} after its single update.")
+        out.append(f"- mdm: relative loss minimum {m['minimum']:.2f}, {m['exit']:.2f} after its single update, "
+                   f"{m['later']:.2f} {st['later']} updates later: the scale of the noise in a relative loss here.")
     out.append("- Paper (TinyGSM, 125M from scratch, 3,000 updates, batch 256): at u=2 the relative loss falls to "
                "0.54 and the validation completion loss is 6.92 against MDM's 4.72; PU trails MDM for every u <= 8.")
     out += ["", "What differs from App. D.1, and so limits the comparison: the runs continue a trained masked model "
