@@ -469,6 +469,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"local_overfitting: {flag} {path}: no such directory (build it with the commands in "
                   "benchmarks/plans/pumba-table2.yaml, settings.starts)", file=sys.stderr)
             return 2
+    if any(t <= BEFORE or t > args.updates for t in args.insert_at):
+        print(f"local_overfitting: --insert-at {args.insert_at}: each must lie in ({BEFORE}, --updates {args.updates}] "
+              f"(the relative loss needs {BEFORE} updates before an insertion)", file=sys.stderr)
+        return 2
     try:
         for arm in args.arms:
             parse_arm(arm)
