@@ -45,6 +45,11 @@ class TrajectoryPool:
         self.lengths = torch.zeros(size, dtype=torch.long)  # prompt + response + EOS of each row
         self.carry = torch.zeros(size, length, carry_dim, dtype=torch.float32) if carry_dim else None
         self.samples_started = 0
+        # Measurement hook (PUMBA App. D.1): examples queued by `insert` take the places of the next samples to enter
+        # the pool; `origin` holds the tag of the inserted example in each row (-1: a sample from the data stream).
+        # Not part of `state_dict`: insertions belong to a measurement, not to a resumable run.
+        self.queue: list[tuple[int, object]] = []
+        self.origin = torch.full((size,), -1, dtype=torch.long)
         self.refill(torch.arange(size), spread=True)
 
     # ---- views --------------------------------------------------------------------------------------------------
@@ -57,6 +62,11 @@ class TrajectoryPool:
         construction, zero carry."""
         if len(rows) == 0:
             return
+        taken, self.queue = self.queue[: len(rows)], self.queue[len(rows):]
+        if taken:  # inserted examples first, in the first rows; the data stream supplies the rest
+            n = len(rows) - len(taken)
+            rest = examples[len(taken):] if examples is not None else (self.draw(n) if n else [])
+            examples = [e for _, e in taken] + list(rest)
         batch = self.collate(examples if examples is not None else self.draw(len(rows)), pad_to=self.length)
         if batch["input_ids"].shape[1] != self.length:
             raise ValueError(f"a canvas of {batch['input_ids'].shape[1]} tokens does not fit the pool's {self.length}")
@@ -74,7 +84,17 @@ class TrajectoryPool:
         self.done[rows] = False
         if self.carry is not None:
             self.carry[rows] = 0.0
+        self.origin[rows] = -1
+        if taken:
+            self.origin[rows[: len(taken)]] = torch.tensor([tag for tag, _ in taken])
         self.samples_started += len(rows)
+
+    def insert(self, examples: list, tags: list[int]) -> None:
+        """Queue `examples` (tagged with ints >= 0) to take the places of the next samples to enter the pool: each
+        starts at stage 0 like any refill and can be followed through `origin` (PUMBA App. D.1)."""
+        if len(examples) != len(tags) or any(t < 0 for t in tags):
+            raise ValueError(f"insert: need one tag >= 0 per example, got {len(tags)} tags for {len(examples)}")
+        self.queue.extend(zip(tags, examples))
 
     def restart_all(self, construction) -> None:
         """A new construction (e.g. a change of K): every trajectory restarts from a fresh spread (Table 4 note)."""
