@@ -39,6 +39,17 @@ def test_data_tinymath_writes_splits(tmp_path, capsys):
     assert "example (hard)" in capsys.readouterr().out
 
 
+def test_empty_and_negative_split_counts(tmp_path, capsys):
+    main(["data", "tinymath", "--out", str(tmp_path), "--n-train", "0", "--n-validation", "2", "--n-test", "3"])
+    assert (tmp_path / "train.jsonl").read_text() == "" and len((tmp_path / "test.jsonl").read_text().splitlines()) == 3
+    first = json.loads((tmp_path / "validation.jsonl").read_text().splitlines()[0])
+    assert f"prompt:   {first['prompt']}" in capsys.readouterr().out  # the example comes from the first split written
+    with pytest.raises(SystemExit, match="--n-test must be 0 or more, got -1"):
+        main(["data", "tinymath", "--out", str(tmp_path), "--n-test", "-1"])
+    with pytest.raises(SystemExit, match="nothing to write"):
+        main(["data", "tinymath", "--out", str(tmp_path), "--n-train", "0", "--n-validation", "0", "--n-test", "0"])
+
+
 def test_unknown_level_is_a_clear_error(tmp_path):
     with pytest.raises(SystemExit, match="unknown level 'extreme'"):
         main(["data", "tinymath", "--out", str(tmp_path), "--level", "extreme"])

@@ -27,10 +27,17 @@ def _cmd_data(a):
 
     if a.level not in LEVELS:
         sys.exit(f"dlm data: unknown level {a.level!r}; choose one of {', '.join(LEVELS)}")
+    counts = {"--n-train": a.n_train, "--n-validation": a.n_validation, "--n-test": a.n_test}
+    for flag, n in counts.items():
+        if n < 0:
+            sys.exit(f"dlm data: {flag} must be 0 or more, got {n}")
+    if not any(counts.values()):
+        sys.exit("dlm data: nothing to write: --n-train, --n-validation and --n-test are all 0")
     paths = write_tinymath(a.out, n_train=a.n_train, n_val=a.n_validation, n_test=a.n_test, level=a.level, seed=a.seed)
     for name, path in paths.items():
         print(f"{name:>10}: {path}")
-    first = json.loads(open(paths["train"]).readline())
+    split = next(s for s, n in zip(("train", "validation", "test"), counts.values()) if n)  # an empty split may be asked
+    first = json.loads(open(paths[split]).readline())
     response = first["response"].replace("\n", "\n            ")
     print(f"\nexample ({a.level}):\n  prompt:   {first['prompt']}\n  response: {response}\n"
           f"  answer:   {first['answer']}")
@@ -280,10 +287,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "plain-text corpus view and meta.json. Deterministic by seed; splits share no question text.")
     t.add_argument("--out", required=True, help="output directory")
     t.add_argument("--level", default="medium", help="difficulty: easy | medium | hard (default: medium)")
-    t.add_argument("--n-train", type=int, default=20000)
-    t.add_argument("--n-validation", type=int, default=500)
-    t.add_argument("--n-test", type=int, default=500)
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--n-train", type=int, default=20000, help="training problems (default: 20000; 0: an empty split)")
+    t.add_argument("--n-validation", type=int, default=500, help="validation problems (default: 500)")
+    t.add_argument("--n-test", type=int, default=500, help="test problems, and as many unseen-phrasing ones "
+                   "(default: 500)")
+    t.add_argument("--seed", type=int, default=0, help="generator seed (default: 0)")
     t.set_defaults(func=_cmd_data)
     s = dsub.add_parser("shakespeare", help="Shakespeare's plays and poems split by work (TESS 2 §4.1 intrinsic study)",
                         description="Read the 42 modern-spelling Gutenberg texts of the `shakespeare` 0.6 source "
