@@ -36,7 +36,7 @@ def _cmd_data(a):
     paths = write_tinymath(a.out, n_train=a.n_train, n_val=a.n_validation, n_test=a.n_test, level=a.level, seed=a.seed)
     for name, path in paths.items():
         print(f"{name:>10}: {path}")
-    split = next(s for s, n in zip(("train", "validation", "test"), counts.values()) if n)  # an empty split may be asked
+    split = next(s for s, n in zip(("train", "validation", "test"), counts.values()) if n)  # the first non-empty split
     first = json.loads(open(paths[split]).readline())
     response = first["response"].replace("\n", "\n            ")
     print(f"\nexample ({a.level}):\n  prompt:   {first['prompt']}\n  response: {response}\n"
