@@ -18,11 +18,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import re
 import sys
 from pathlib import Path
-
-BEGIN, END = "<!-- study:begin -->", "<!-- study:end -->"
 
 
 def verdict(result: dict) -> str:
@@ -52,7 +49,7 @@ def section(table, plan_path: str, json_path: str, out: str, plot: str | None = 
     from dlm.evaluation.study import StudyError
 
     plan = table.plan
-    lines = [BEGIN, f"<!-- written by benchmarks/study_report.py from {json_path}; edit outside the markers -->", ""]
+    lines = [f"<!-- written by benchmarks/study_report.py from {json_path}; edit outside the markers -->", ""]
     done = [s for s in plan.seeds if all(table.has(a, s, k) for a in plan.arms for k in plan.evals)]
     pins = ", ".join(f"{k} `{v}`" for k, v in table.pins.items()) or "none yet"
     lines += [f"Plan [`{Path(plan_path).name}`]({_rel(plan_path, out)}) (digest `{plan.digest}`), table "
@@ -127,7 +124,6 @@ def section(table, plan_path: str, json_path: str, out: str, plot: str | None = 
         lines.append("Every cell of the plan is done.")
     if plot:
         lines += ["", f"![accuracy against NFE]({_rel(plot, out)})"]
-    lines += ["", END]
     return "\n".join(lines)
 
 
@@ -136,21 +132,6 @@ def _rel(target: str, doc: str) -> str:
     import os
 
     return os.path.relpath(Path(target).resolve(), Path(doc).resolve().parent)
-
-
-def write_doc(path: str | Path, text: str, title: str) -> None:
-    """Replace the marked section of `path` (or append it; or create the doc around it)."""
-    path = Path(path)
-    if not path.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(f"# {title}\n\n## Numbers\n\n{text}\n")
-        return
-    doc = path.read_text()
-    if BEGIN in doc and END in doc:
-        doc = re.sub(re.escape(BEGIN) + r".*?" + re.escape(END), lambda _: text, doc, count=1, flags=re.S)
-    else:
-        doc = doc.rstrip("\n") + "\n\n## Numbers (3-seed study)\n\n" + text + "\n"
-    path.write_text(doc)
 
 
 def plot(table, path: str | Path) -> None:
@@ -187,7 +168,7 @@ def main(argv=None) -> None:
     ap.add_argument("--plot", help="PNG of accuracy against NFE (linked from the section)")
     args = ap.parse_args(argv)
     from dlm.errors import DlmError
-    from dlm.evaluation.study import Plan, StudyTable
+    from dlm.evaluation.study import Plan, StudyTable, write_study_section
 
     try:
         plan = Plan.load(args.plan)
@@ -197,7 +178,8 @@ def main(argv=None) -> None:
         table = StudyTable(json_path, plan)
         if args.plot:
             plot(table, args.plot)
-        write_doc(args.out, section(table, args.plan, json_path, args.out, args.plot), plan.name)
+        text = section(table, args.plan, json_path, args.out, args.plot)
+        write_study_section(args.out, text.splitlines(), title=plan.name)
     except DlmError as e:
         sys.exit(f"error: {e}")
     print(f"wrote {args.out}" + (f" and {args.plot}" if args.plot else ""))

@@ -37,13 +37,11 @@ from dlm.data.tokenizer import encode_pair
 from dlm.errors import DlmError
 from dlm.evaluation.reward import score_texts
 from dlm.evaluation.stats import format_seed_comparison
-from dlm.evaluation.study import Plan, StudyError, StudyTable, fingerprint, problems_digest
+from dlm.evaluation.study import Plan, StudyError, StudyTable, fingerprint, problems_digest, write_study_section
 from dlm.evaluation.tasks import evaluate
 from dlm.sampling import SimplexOptions, generate, load_for_inference
 from dlm.sampling.guidance import resolve_reward_model
 from dlm.sampling.options import parse_options
-
-BEGIN, END = "<!-- study:begin -->", "<!-- study:end -->"
 
 
 # ---- the easy study's sections -------------------------------------------------------------------------------------
@@ -456,16 +454,6 @@ def plot_study(plan: Plan, table: StudyTable, path: str | Path) -> None:
     plt.close(fig)
 
 
-def write_between_markers(doc: str | Path, lines: list[str]) -> None:
-    """Replace what lies between the doc's study markers with `lines`; the rest of the doc is kept as written."""
-    doc = Path(doc)
-    text = doc.read_text() if doc.is_file() else ""
-    if BEGIN not in text or END not in text or text.index(BEGIN) > text.index(END):
-        raise DlmError(f"{doc}: no '{BEGIN}' ... '{END}' markers; add them where the numbers go")
-    head, rest = text.split(BEGIN, 1)
-    doc.write_text(head + BEGIN + "\n" + "\n".join(lines).rstrip() + "\n" + END + rest.split(END, 1)[1])
-
-
 # ---- command line ---------------------------------------------------------------------------------------------------
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -523,7 +511,7 @@ def run_section(args) -> None:
         if table.cells:
             plot_study(plan, table, plot)
             lines.append(f"![accuracy vs steps and η]({plot.name})")
-        write_between_markers(args.doc, lines)
+        write_study_section(args.doc, lines)
         print(f"wrote {args.doc}" + (f" and {plot}" if table.cells else " (no cells yet: no plot)"))
         return
     if args.section == "test-eval":

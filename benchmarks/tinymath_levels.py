@@ -27,10 +27,8 @@ from pathlib import Path
 import yaml
 
 from dlm.errors import DlmError
-from dlm.evaluation.study import Plan, StudyTable, problems_digest
+from dlm.evaluation.study import Plan, StudyTable, problems_digest, write_study_section
 from dlm.evaluation.tasks import trivial_baseline
-
-BEGIN, END = "<!-- study:begin -->", "<!-- study:end -->"
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -129,14 +127,6 @@ def plot(table: StudyTable, png: Path) -> None:
     plt.close(fig)
 
 
-def write_between_markers(doc: Path, lines: list[str]) -> None:
-    text = doc.read_text() if doc.is_file() else ""
-    if BEGIN not in text or END not in text or text.index(BEGIN) > text.index(END):
-        raise DlmError(f"{doc}: no '{BEGIN}' ... '{END}' markers; add them where the numbers go")
-    head, rest = text.split(BEGIN, 1)
-    doc.write_text(head + BEGIN + "\n" + "\n".join(lines).rstrip() + "\n" + END + rest.split(END, 1)[1])
-
-
 def load_table(json_path: Path) -> StudyTable:
     if not json_path.is_file():
         raise DlmError(f"{json_path}: not found; pass the run directories to collect it first")
@@ -159,7 +149,7 @@ def main(argv=None) -> None:
         command = (f"python benchmarks/tinymath_levels.py --json {os.path.relpath(a.json)} "
                    f"--doc {os.path.relpath(a.doc)}")
         plot(table, png)
-        write_between_markers(a.doc, report_lines(table, png.name, command))
+        write_study_section(a.doc, report_lines(table, png.name, command))
     except DlmError as e:
         raise SystemExit(f"tinymath_levels.py: {e}") from None
     print(f"wrote {a.json}, {a.doc} and {png}")

@@ -139,3 +139,23 @@ def test_fingerprint_and_problem_digest(tmp_path):
         fingerprint(tmp_path / "nothing")
     recs = [{"prompt": "1+1", "answer": 2}, {"prompt": "2+2", "answer": 4}]
     assert problems_digest(recs) != problems_digest(recs[::-1]) and problems_digest(recs) == problems_digest(recs)
+
+
+def test_study_section_replaces_only_the_marked_part(tmp_path):
+    from dlm.errors import DlmError
+    from dlm.evaluation.study import STUDY_BEGIN, STUDY_END, write_study_section
+
+    doc = tmp_path / "doc.md"
+    doc.write_text(f"# Title\n\nreading before\n\n{STUDY_BEGIN}\nold numbers\n{STUDY_END}\n\nreading after\n")
+    for _ in range(2):  # regenerating gives the same doc
+        write_study_section(doc, ["new", "numbers"])
+        want = f"# Title\n\nreading before\n\n{STUDY_BEGIN}\nnew\nnumbers\n{STUDY_END}\n\nreading after\n"
+        assert doc.read_text() == want
+    bare = tmp_path / "bare.md"
+    bare.write_text("# Bare\n")
+    with pytest.raises(DlmError, match=r"bare\.md: no '<!-- study:begin -->'"):
+        write_study_section(bare, ["x"])
+    write_study_section(bare, ["x"], title="ignored: the doc exists")
+    assert bare.read_text() == f"# Bare\n\n## Numbers (3-seed study)\n\n{STUDY_BEGIN}\nx\n{STUDY_END}\n"
+    write_study_section(tmp_path / "sub" / "new.md", ["y"], title="Plan p")
+    assert (tmp_path / "sub" / "new.md").read_text() == f"# Plan p\n\n## Numbers\n\n{STUDY_BEGIN}\ny\n{STUDY_END}\n"

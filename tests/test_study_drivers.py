@@ -11,7 +11,7 @@ import pytest
 import torch
 import yaml
 
-from dlm.evaluation.study import Plan, StudyError, StudyTable
+from dlm.evaluation.study import STUDY_BEGIN, STUDY_END, Plan, StudyError, StudyTable
 from tests.conftest import perturb, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -191,7 +191,7 @@ def test_study_report_writes_the_marked_section_from_a_synthetic_table(tmp_path)
                            "--plot", str(tmp_path / "p.png")])
     text = doc.read_text()
     assert text.startswith("# Hand-written title\n\nA reading that must stay.\n")
-    assert text.count(study_report.BEGIN) == 1 and text.count(study_report.END) == 1
+    assert text.count(STUDY_BEGIN) == 1 and text.count(STUDY_END) == 1
     acc = [sum(outcomes["a", s, "u=2"]) / 200 for s in (0, 1, 2)]
     want = (f"{100 * statistics.mean(acc):.1f} ± {100 * statistics.stdev(acc):.1f} "
             f"[{', '.join(f'{100 * x:.1f}' for x in acc)}]")

@@ -242,3 +242,27 @@ class StudyTable:
                              f"problems (seeds {seeds}); they cannot be paired")
         return {"arm_a": arm_a, "arm_b": arm_b, "eval": key, "eval_b": key_b, "seeds": seeds,
                 **compare_seeds([c["correct"] for c in a], [c["correct"] for c in b], **kw)}
+
+
+STUDY_BEGIN, STUDY_END = "<!-- study:begin -->", "<!-- study:end -->"
+
+
+def write_study_section(doc: str | Path, lines: list[str], title: str | None = None) -> None:
+    """Write `lines` between the doc's `<!-- study:begin -->` and `<!-- study:end -->` markers, keeping everything
+    outside them (the hand-written reading) as written. A doc without the markers is a one-line error naming it,
+    unless `title` is given: then the section is appended under "## Numbers (3-seed study)", and a missing doc is
+    created as "# title"."""
+    doc = Path(doc)
+    text = doc.read_text() if doc.is_file() else ""
+    section = STUDY_BEGIN + "\n" + "\n".join(lines).strip("\n") + "\n" + STUDY_END
+    if STUDY_BEGIN in text and STUDY_END in text and text.index(STUDY_BEGIN) < text.index(STUDY_END):
+        head, rest = text.split(STUDY_BEGIN, 1)
+        text = head + section + rest.split(STUDY_END, 1)[1]
+    elif title is None:
+        raise DlmError(f"{doc}: no '{STUDY_BEGIN}' ... '{STUDY_END}' markers; add them where the numbers go")
+    elif text:
+        text = text.rstrip("\n") + "\n\n## Numbers (3-seed study)\n\n" + section + "\n"
+    else:
+        doc.parent.mkdir(parents=True, exist_ok=True)
+        text = f"# {title}\n\n## Numbers\n\n{section}\n"
+    doc.write_text(text)
