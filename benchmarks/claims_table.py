@@ -24,6 +24,7 @@ from pathlib import Path
 import yaml
 
 from dlm.errors import DlmError
+from dlm.evaluation.stats import seed_verdict
 from dlm.evaluation.study import Plan, StudyError, StudyTable
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -176,18 +177,12 @@ def verdict_kind(text) -> str | None:
 
 # -- the verdict rule ------------------------------------------------------------------------------------------------
 def verdict(result: dict, expect: str = "higher", margin: float = 0.0) -> str:
-    """reproduced / partly / not from a `compare_seeds` result (VERDICT_RULE); margin in accuracy points."""
-    d, low, seeds = result["difference"], result["low"], result["n_seeds"]
-    if expect == "higher":
-        if seeds >= 3 and low > 0 and result["consistent"]:
-            return "reproduced"
-        return "partly" if d > 0 else "not"
-    if expect == "not_lower":
-        m = margin / 100
-        if d < -m:
-            return "not"
-        return "reproduced" if seeds >= 3 and low > -m else "partly"
-    raise ClaimsError(f"verdict: expect must be higher or not_lower, got {expect!r}")
+    """reproduced / partly / not from a `compare_seeds` result (VERDICT_RULE; `dlm.evaluation.stats.seed_verdict`,
+    which the study docs use too); margin in accuracy points."""
+    try:
+        return seed_verdict(result, expect, margin)
+    except DlmError as e:
+        raise ClaimsError(str(e)) from None
 
 
 # -- evidence --------------------------------------------------------------------------------------------------------

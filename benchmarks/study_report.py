@@ -8,10 +8,11 @@ p-value and a verdict, the cells still missing, and a plot.
 The numbers go between `<!-- study:begin -->` and `<!-- study:end -->` in --out; everything outside the markers (the
 hand-written reading) is kept. A doc without the markers gets the section appended; a missing doc is created.
 
-Verdict of a comparison "a above b" (settings.comparisons): **holds** when the 95 % CI of the difference excludes 0
-on the claimed side and every seed's difference has that sign; **not shown** when the CI includes 0 (or the seeds
-disagree); **opposite** when the CI excludes 0 on the other side. With fewer seeds than the plan's the verdict is
-marked provisional.
+Verdict of a comparison "a above b" (settings.comparisons), the rule of docs/results/README.md
+(`dlm.evaluation.stats.seed_verdict`): **reproduced** with at least 3 seeds, the 95 % CI of the difference above 0
+and every seed's difference positive; **partly** when the mean difference is positive but short of that; **not**
+when it is 0 or negative, with "(CI excludes 0)" when the CI lies wholly below 0. With fewer seeds than the plan's
+the verdict is marked provisional.
 """
 
 from __future__ import annotations
@@ -20,14 +21,6 @@ import argparse
 import datetime
 import sys
 from pathlib import Path
-
-
-def verdict(result: dict) -> str:
-    if result["low"] > 0:
-        return "holds" if result["consistent"] else "not shown (seeds disagree)"
-    if result["high"] < 0:
-        return "opposite"
-    return "not shown"
 
 
 def _pct(x: float | None) -> str:
@@ -45,7 +38,7 @@ def _arm_cells(table, arm: str) -> dict[int, dict]:
 
 def section(table, plan_path: str, json_path: str, out: str, plot: str | None = None) -> str:
     """The generated markdown between the markers."""
-    from dlm.evaluation.stats import format_seed_comparison
+    from dlm.evaluation.stats import format_seed_comparison, seed_verdict
     from dlm.evaluation.study import StudyError
 
     plan = table.plan
@@ -99,7 +92,7 @@ def section(table, plan_path: str, json_path: str, out: str, plot: str | None = 
         except StudyError:
             lines.append(f"| {c.get('claim', '')} | {where} | not run yet | – |")
             continue
-        v = verdict(r)
+        v = seed_verdict(r) + (" (CI excludes 0)" if r["high"] < 0 else "")
         if r["n_seeds"] < len(plan.seeds):
             v += f" (provisional: {r['n_seeds']} of {len(plan.seeds)} seeds)"
         lines.append(f"| {c.get('claim', '')} | {where} | {format_seed_comparison(r)} | **{v}** |")

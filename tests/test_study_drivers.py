@@ -163,7 +163,7 @@ def test_study_report_writes_the_marked_section_from_a_synthetic_table(tmp_path)
     import numpy as np
     import study_report
 
-    from dlm.evaluation.stats import compare_seeds, format_seed_comparison
+    from dlm.evaluation.stats import compare_seeds, format_seed_comparison, seed_verdict
 
     plan_path = tmp_path / "synthetic.yaml"
     plan_path.write_text(REPORT_PLAN)
@@ -200,10 +200,11 @@ def test_study_report_writes_the_marked_section_from_a_synthetic_table(tmp_path)
     assert "| c | 200 | 200 | 11 | 2/3 |" in text  # seed 2 lacks u=8
     lines = {line.split(" | ")[1]: line for line in text.splitlines() if line.startswith("| ") and " vs " in line}
     result = compare_seeds([outcomes["a", s, "u=2"] for s in (0, 1, 2)], [outcomes["b", s, "u=2"] for s in (0, 1, 2)])
-    assert format_seed_comparison(result) in lines["a vs b @ u=2"] and "**holds**" in lines["a vs b @ u=2"]
-    assert "**not shown" in lines["b vs c @ u=2"]
-    assert "**opposite**" in lines["c vs a @ u=2"]
-    assert "**holds (provisional: 2 of 3 seeds)**" in lines["a vs c @ u=8"]
+    assert format_seed_comparison(result) in lines["a vs b @ u=2"] and "**reproduced**" in lines["a vs b @ u=2"]
+    even = compare_seeds([outcomes["b", s, "u=2"] for s in (0, 1, 2)], [outcomes["c", s, "u=2"] for s in (0, 1, 2)])
+    assert even["low"] < 0 < even["high"] and f"**{seed_verdict(even)}**" in lines["b vs c @ u=2"]
+    assert "**not (CI excludes 0)**" in lines["c vs a @ u=2"]
+    assert "**partly (provisional: 2 of 3 seeds)**" in lines["a vs c @ u=8"]  # CI above 0, but 2 seeds
     assert "Missing cells (1):\n- seed 2: c (u=8)" in text and "Seeds complete: 0, 1 of 0, 1, 2" in text
     assert "not bitwise equal): b seed 1." in text  # two weights behind one (arm, seed)
     assert (tmp_path / "p.png").stat().st_size > 10_000

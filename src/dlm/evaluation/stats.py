@@ -141,6 +141,29 @@ def compare_seeds(a: Sequence[Sequence[bool]], b: Sequence[Sequence[bool]], n_re
             "consistent": bool(diff != 0 and all(x * diff > 0 for x in per_seed))}
 
 
+VERDICT_SEEDS = 3  # a claim is "reproduced" only from at least this many seeds
+
+
+def seed_verdict(result: dict, expect: str = "higher", margin: float = 0.0) -> str:
+    """The verdict rule of docs/results (issue 17) on a `compare_seeds` result of arm a against arm b.
+    expect "higher" (a above b): **reproduced** with >= 3 seeds, the CI's lower end above 0 and every seed's
+    difference positive; **partly** when the mean difference is positive but short of that; **not** otherwise (0 or
+    the other sign). expect "not_lower" (a not worse than b by more than `margin` accuracy points): **not** when the
+    mean difference is below -margin; **reproduced** with >= 3 seeds and the CI's lower end above -margin; **partly**
+    otherwise."""
+    d, low, seeds = result["difference"], result["low"], result["n_seeds"]
+    if expect == "higher":
+        if seeds >= VERDICT_SEEDS and low > 0 and result["consistent"]:
+            return "reproduced"
+        return "partly" if d > 0 else "not"
+    if expect == "not_lower":
+        m = margin / 100
+        if d < -m:
+            return "not"
+        return "reproduced" if seeds >= VERDICT_SEEDS and low > -m else "partly"
+    raise DlmError(f"verdict: expect must be higher or not_lower, got {expect!r}")
+
+
 def format_seed_comparison(result: dict) -> str:
     """One line from `compare_seeds`, e.g. '35.1 ± 1.2 % vs 29.0 ± 0.8 % (n=300, 3 seeds): +6.1 points, 95 % CI
     [+2.4, +9.8], sign-flip p = 0.002, every seed +'."""
