@@ -252,6 +252,31 @@ def test_sampler_early_stop(monkeypatch):
     assert out.nfe == [3, 3] and out.tokens == [[7, 8], [7, 8]]  # changed once, then unchanged twice
 
 
+def test_early_stop_watches_the_output_not_the_canvas_after_eos(monkeypatch):
+    """TESS 2 §5.3: what settles is the sequence. Tokens after the first EOS are discarded (and, untrained, may never
+    settle): they must not keep a row running, while a moved EOS or a changed output token restarts the count."""
+    import dlm.sampling.simplex as sx
+
+    class Flicker(Oracle):  # one target row per call
+        def __call__(self, model, input_ids, *args, **kw):
+            self.targets = plan[min(len(self.seen), len(plan) - 1)][None].expand(input_ids.shape[0], -1)
+            return super().__call__(model, input_ids, *args, **kw)
+
+    m = simplex_model(vocab=40)
+    plan = torch.tensor([[7, 1, 3, 4], [7, 1, 5, 6], [7, 1, 8, 9], [7, 1, 3, 3], [7, 1, 4, 4], [7, 1, 5, 5]])
+    monkeypatch.setattr(sx, "simplex_logits", Flicker(plan[0][None], 40))
+    out = sx.generate(m, [[5]], 4, eos_id=1, pad_id=0, inference_steps=50, early_stop_patience=2)
+    assert out.nfe == [3] and out.tokens == [[7]]  # [7, EOS] from step 1, unchanged at steps 2 and 3
+    plan = torch.tensor([[7, 1, 3, 4], [7, 2, 1, 6], [7, 2, 1, 9], [7, 2, 1, 3], [7, 2, 1, 5]])  # EOS moves at step 2
+    monkeypatch.setattr(sx, "simplex_logits", Flicker(plan[0][None], 40))
+    out = sx.generate(m, [[5]], 4, eos_id=1, pad_id=0, inference_steps=50, early_stop_patience=2)
+    assert out.nfe == [4] and out.tokens == [[7, 2]]
+    plan = torch.tensor([[7, 8, 3, 4], [7, 8, 5, 6], [7, 8, 5, 6], [7, 8, 5, 6]])  # no EOS: every position counts
+    monkeypatch.setattr(sx, "simplex_logits", Flicker(plan[0][None], 40))
+    out = sx.generate(m, [[5]], 4, eos_id=1, pad_id=0, inference_steps=50, early_stop_patience=2)
+    assert out.nfe == [4] and out.tokens == [[7, 8, 5, 6]]
+
+
 def test_sampler_runs_a_real_model_for_any_step_count():
     from dlm.sampling import SimplexOptions, generate
 

@@ -47,6 +47,12 @@ def row_logits(m, prompt, s, previous, time):
     return m(None, inputs_embeds=embeds)[0, len(prompt):].float()
 
 
+def output(row: torch.Tensor, eos_id: int) -> list[int]:
+    """What a row decodes to for early stopping: its tokens through the first EOS."""
+    row = row.tolist()
+    return row[: row.index(eos_id) + 1] if eos_id in row else row
+
+
 def reference(m, prompts, steps, seed, top_p=None, patience=None, rm=None, eta=0.0, guidance_steps=1,
               guidance_temperature=1.0, eos_id=1):
     g = torch.Generator().manual_seed(seed)
@@ -71,7 +77,7 @@ def reference(m, prompts, steps, seed, top_p=None, patience=None, rm=None, eta=0
         for j, b in enumerate(active):
             s[b] = math.sqrt(a) * s_hat[j] + math.sqrt(1 - a) * K * z[j]  # Eq. 4
             previous[b] = region[j]
-            unchanged[b] = unchanged[b] + 1 if torch.equal(picks[j], tokens[b]) else 0
+            unchanged[b] = unchanged[b] + 1 if output(picks[j], eos_id) == output(tokens[b], eos_id) else 0
             tokens[b] = picks[j]
             nfe[b] += 1
             conf[b] = torch.softmax(region[j], -1).max(-1).values

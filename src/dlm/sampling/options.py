@@ -109,8 +109,9 @@ class SimplexOptions(SamplingOptions):
                                    "(TESS 2 §5.1)")
     top_p: Fraction | None = Field(None, description="top-p projection of each step's logits instead of the argmax "
                                    "(TESS 2 Eq. 5), e.g. 0.99; unset: argmax")
-    early_stop_patience: Count | None = Field(None, description="stop a row once its tokens are unchanged for this "
-                                              "many consecutive steps; unset: run every step")
+    early_stop_patience: Count | None = Field(None, description="stop a row once its output (tokens through the "
+                                              "first EOS) is unchanged for this many consecutive steps; unset: run "
+                                              "every step")
     reward_model: Directory | None = Field(None, description="reward model directory for reward guidance (TESS 2 "
                                            "§3.4); it must share the diffusion model's tokenizer")
     guidance_scale: Number = Field(0.0, description="eta: reward-guidance step size, logits += eta * grad R at each "

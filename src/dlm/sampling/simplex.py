@@ -50,7 +50,8 @@ def generate(
 ) -> SimplexGeneration:
     """Sample `gen_length` positions after each prompt: S_T ~ N(0, k²I), then for each of `inference_steps` timesteps
     t: logits → (reward guidance) → projection Ŝ (argmax, Eq. 5, or top-p) → S_{t−1} = √ᾱ Ŝ + √(1−ᾱ) k z (Eq. 4).
-    A row stops early once its tokens are unchanged for `early_stop_patience` consecutive steps. `trace`: a list to
+    A row stops early once its output (its tokens through the first EOS: what follows is discarded, and untrained
+    positions there may never settle) is unchanged for `early_stop_patience` consecutive steps. `trace`: a list to
     append each step to as it happens (a live view, e.g. `dlm serve`); implies recording."""
     spec = model.spec
     if spec.family != "simplex" or spec.simplex_k is None or spec.simplex_timesteps is None:
@@ -103,7 +104,9 @@ def generate(
         a_next = float(alpha_bar[schedule[i + 1]]) if i + 1 < len(schedule) else 1.0
         s[sub] = reverse_step(s_hat, a_next, _noise(s_hat.shape, generator, device), k)  # Eq. 4
         previous[sub, P:] = region
-        same = (new_tokens == tokens[sub]).all(-1)
+        # the output, not the whole canvas: positions after either step's first EOS are left out of the comparison
+        output = _through_eos(new_tokens, eos_id) | _through_eos(tokens[sub], eos_id)
+        same = ((new_tokens == tokens[sub]) | ~output).all(-1)
         unchanged[sub] = torch.where(same, unchanged[sub] + 1, torch.zeros_like(unchanged[sub]))
         tokens[sub] = new_tokens
         if trace is not None:
@@ -118,6 +121,12 @@ def generate(
     for row in tokens.tolist():
         out.append(row[: row.index(eos_id)] if eos_id in row else row)
     return SimplexGeneration(out, nfe.tolist(), trace)
+
+
+def _through_eos(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """Positions up to and including each row's first EOS (every position of a row without one)."""
+    is_eos = tokens == eos_id
+    return is_eos.cumsum(-1) - is_eos.long() == 0
 
 
 def show_steps(trace: list[dict], tok, row: int, eos_id: int, every: int | None = None, console=None) -> int:
