@@ -3,10 +3,13 @@
 Run the three trainings (each ~10-20 min on 2 cores), collect them into a JSON table with every test problem's
 outcome, and regenerate the doc's numbers (between its `<!-- study:begin -->` / `<!-- study:end -->` markers) and plot:
 
-    for L in easy medium hard; do
+    for L in easy hard; do
       dlm train recipes/tinymath/ar.yaml --set data.level=$L --set train.steps=1500 --set train.eval_every=500 \
         --set train.checkpoint_every=500 --set name=calib-ar-$L --out-dir runs/calib-ar-$L
     done
+    # medium is the AR parent of the PUMBA and TESS 2 studies (benchmarks/plans/pumba-table2.yaml), built by:
+    dlm train recipes/tinymath/ar.yaml --set data.level=medium --set train.steps=1500 --set model.max_length=192 \
+      --out-dir runs/calib-ar-medium
     python benchmarks/tinymath_levels.py runs/calib-ar-easy runs/calib-ar-medium runs/calib-ar-hard \
         --json docs/results/tinymath-levels.json --doc docs/results/tinymath-levels.md
 
@@ -87,21 +90,38 @@ def report_lines(table: StudyTable, png: str, command: str) -> list[str]:
         "answer in the sandbox",
         "- commands: see the docstring of `benchmarks/tinymath_levels.py`; this part is regenerated from "
         f"[`{Path(table.path).name}`]({Path(table.path).name}) (every test problem's outcome) by `{command}`", "",
-        "| level | test accuracy | trivial baseline | validation acc. @500 | @1000 | final loss | wall time* "
+        "| level | test accuracy | trivial baseline | validation accuracy (update: acc.) | final loss | wall time* "
         "| mean NFE |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|",
     ]
+    differences = recipe_differences({level: table.plan.settings[level]["recipe"] for level in table.plan.arms})
+    if differences:
+        lines.insert(3, "- the runs differ only in: " + "; ".join(differences))
     for level, c in zip(table.plan.arms, cells):
-        val = dict((s, a) for s, a in c["validation"])
+        val = " · ".join(f"{step}: {100 * acc:.0f} %" for step, acc in c["validation"]) or "—"
         nfe = c.get("mean_nfe")
         lines.append(f"| {level} | **{100 * c['accuracy']:.1f} %** (n={c['n']}) | {100 * c['trivial_baseline']:.1f} % "
-                     f"| {100 * val.get(500, float('nan')):.0f} % | {100 * val.get(1000, float('nan')):.0f} % | "
-                     f"{c['curve'][-1][1]:.3f} | {c['wall_s'] / 60:.1f} min | "
+                     f"| {val} | {c['curve'][-1][1]:.3f} | {c['wall_s'] / 60:.1f} min | "
                      f"{nfe if nfe is None else f'{nfe:.1f}'} |")
     lines += ["", "\\* wall time of the training run on a shared 2-core machine (other jobs ran beside some of these "
               "runs): not a speed measurement — see `training-throughput.md` for that.", "",
               f"![loss and accuracy per level]({png})"]
     return lines
+
+
+def recipe_differences(recipes: dict[str, dict]) -> list[str]:
+    """'key: level value, ...' for every recipe setting that differs between the levels' runs, besides the level and
+    where the run and its data live."""
+    def flat(d: dict, prefix: str = "") -> dict:
+        out = {}
+        for k, v in d.items():
+            out |= flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v}
+        return out
+
+    flats = {level: flat(r) for level, r in recipes.items()}
+    keys = sorted(set().union(*flats.values()) - {"data.level", "data.dir", "name", "out_dir"})
+    return [f"{k} " + ", ".join(f"{level} {f.get(k)}" for level, f in flats.items()) for k in keys
+            if len({json.dumps(f.get(k), sort_keys=True) for f in flats.values()}) > 1]
 
 
 def plot(table: StudyTable, png: Path) -> None:

@@ -206,3 +206,12 @@ def test_max_minutes_stops_resumably_before_the_next_cell(study, tmp_path, capsy
     out = capsys.readouterr().out
     assert "--max-minutes reached; the next call resumes here" in out and "0 cells added; 14 planned cells" in out
     assert not table.exists()
+
+
+def test_levels_name_the_settings_their_runs_differ_in():
+    from tinymath_levels import recipe_differences
+
+    recipes = {"easy": {"model": {"max_length": 224, "preset": "small"}, "data": {"level": "easy", "dir": "a"}},
+               "medium": {"model": {"max_length": 192, "preset": "small"}, "data": {"level": "medium", "dir": "b"}}}
+    assert recipe_differences(recipes) == ["model.max_length easy 224, medium 192"]
+    assert recipe_differences({"easy": recipes["easy"]}) == []
