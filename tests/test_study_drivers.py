@@ -239,3 +239,29 @@ def test_two_drivers_fill_one_table_without_losing_cells(tmp_path):
         two.pin("warm_start", "def")
     cells = json.loads((tmp_path / "t.json").read_text())["cells"]
     assert sorted((c["arm"], c["seed"]) for c in cells) == [("a", 0), ("b", 1), ("c", 2)]
+
+
+def test_unseen_report_pairs_each_arms_unseen_cells_with_its_seen_ones(tmp_path):
+    import statistics
+
+    import unseen_report
+
+    assert [unseen_report.seen_key(k) for k in ("u=2/unseen", "unseen", "tau=0.9/unseen", "u=2")] == \
+        ["u=2", "test", "tau=0.9", None]
+    plan_path = tmp_path / "syn.yaml"
+    plan_path.write_text("name: syn\narms: [a, b]\nseeds: [0, 1, 2]\nevals: [u=2, u=8, u=2/unseen]\n")
+    table = StudyTable(tmp_path / "syn.json", Plan.load(plan_path))
+    seen = {0: [1, 1, 0, 1], 1: [1, 0, 0, 1]}
+    unseen = {0: [0, 0, 0, 1], 1: [0, 0, 1, 1]}
+    for s in (0, 1):
+        table.add("a", s, "u=2", {"samples": [{"correct": x} for x in seen[s]]}, problems="seen")
+        table.add("a", s, "u=2/unseen", {"samples": [{"correct": x} for x in unseen[s]]}, problems="unseen")
+        table.add("b", s, "u=2", {"samples": [{"correct": x} for x in seen[s]]}, problems="seen")
+    doc = tmp_path / "unseen.md"
+    unseen_report.main([str(plan_path), "--results", str(tmp_path), "--out", str(doc)])
+    row = next(line for line in doc.read_text().splitlines() if line.startswith("| syn | a |"))
+    sd = 100 * statistics.stdev([0.75, 0.5])  # seen 3/4 and 2/4, unseen 1/4 and 2/4: the same sd
+    assert f"| u=2 | 62.5 ± {sd:.1f} % [" in row and f"| 37.5 ± {sd:.1f} % [" in row and row.count("2/3 seeds") == 2
+    low, high = (float(x) for x in row.split(f"| 37.5 ± {sd:.1f} % [")[1].split("]")[0].split(", "))
+    assert 0 <= low < 37.5 < high <= 100  # a bootstrap CI over 4 problems: wide, around the mean
+    assert "| syn | no unseen cell yet: b |" in doc.read_text()
