@@ -13,11 +13,22 @@ _default_threads = "1" if os.environ.get("PYTEST_XDIST_WORKER") else "2"
 torch.set_num_threads(int(os.environ.get("DLM_TEST_THREADS", _default_threads)))
 
 
+def pytest_configure(config):
+    # pytest-xdist would otherwise queue the files by their number of tests, which puts the few long tests last
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(config, items):
-    """The slow tests (learning and distributed, minutes each) first, each file's order kept: under `pytest -n 2
-    --dist loadfile` the two workers start on the long files and the short ones fill in around them, instead of one
-    long file starting last on its own."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    """The slow tests (learning and distributed, minutes each) first, the longest (`slow(minutes=N)`, the minutes
+    one worker spends on the file) first of all, each file's order kept: under `pytest -n 2 --dist loadfile` one
+    worker starts on the longest chain and the other takes the rest around it, instead of a long file starting last
+    on its own."""
+    def rank(item):
+        slow = item.get_closest_marker("slow")
+        return (slow is None, -(slow.kwargs.get("minutes", 1) if slow else 0))
+
+    items.sort(key=rank)
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ from dlm.evaluation.tasks import trivial_baseline
 from dlm.sampling.options import MaskedOptions
 from dlm.training.loop import Trainer
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow(minutes=8)  # the suite's longest chain (AR fixture, then MDM from it): scheduled first
 
 STEPS = 450
 MDM_STEPS = 300
