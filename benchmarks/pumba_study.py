@@ -4,7 +4,7 @@
 
 The plan (benchmarks/plans/*.yaml) fixes, before anything runs, the arms, the seeds, the evaluations and every
 setting; this driver only carries it out. For each seed (seed-major, in the plan's order or --seeds') and each arm
-(in the plan's order) it trains the arm into RUNS/seed<s>/<arm> (resumed from its last checkpoint when one is there)
+(in the plan's order or --arms') it trains the arm into RUNS/seed<s>/<arm> (resumed from its last checkpoint when one is there)
 and then runs every missing evaluation of that (arm, seed), adding one cell per evaluation to the table (--json,
 default docs/results/<plan>.json): per-problem outcomes, NFE, training seconds, updates, denoiser passes and the
 model's fingerprint. The table refuses cells from a changed plan and starts (warm start, AR parent) whose weights
@@ -231,7 +231,7 @@ def check_arm(plan, table, arm: str, recipes: dict) -> str | None:
 
 
 # ---- the driver -------------------------------------------------------------------------------------------------
-def run(plan_path, json_path=None, runs=None, seeds=None, max_minutes=None) -> dict:
+def run(plan_path, json_path=None, runs=None, seeds=None, max_minutes=None, arms=None) -> dict:
     """Carry out a plan (see the module docstring); returns {'cells': added, 'stopped': bool, 'waiting': [...]}."""
     from dlm.evaluation.study import Plan, StudyError, StudyTable, fingerprint, problems_digest
     from dlm.modeling.backbone import resolve_model_dir
@@ -245,6 +245,10 @@ def run(plan_path, json_path=None, runs=None, seeds=None, max_minutes=None) -> d
     stray = [x for x in order if x not in plan.seeds]
     if stray:
         raise StudyError(f"--seeds {stray} not in the plan's seeds {list(plan.seeds)}; --seeds only orders or limits")
+    arm_order = list(plan.arms) if arms is None else list(arms)
+    stray = [a for a in arm_order if a not in plan.arms]
+    if stray:
+        raise StudyError(f"--arms {stray} not in the plan's arms {list(plan.arms)}; --arms only orders or limits")
     specs = plan.settings["arm_specs"]
     for name in dict.fromkeys(spec.get("init") or spec.get("model") for spec in specs.values()
                               if spec.get("init") or spec.get("model")):
@@ -255,7 +259,7 @@ def run(plan_path, json_path=None, runs=None, seeds=None, max_minutes=None) -> d
         table.pin(name, fingerprint(resolve_model_dir(path)))
     added, waiting, recipes = 0, [], {}
     for seed in order:
-        for arm in plan.arms:
+        for arm in arm_order:
             for key in [k for k in plan.evals if not table.has(arm, seed, k)]:
                 split = parse_eval(key)[2]
                 if not split_file(plan, split).is_file():
@@ -312,6 +316,8 @@ def main(argv=None, description: str = __doc__, default_plan: str = "benchmarks/
     ap.add_argument("--runs", help="where arms are trained (default: runs/<plan name>)")
     ap.add_argument("--seeds", help="comma-separated subset of the plan's seeds, run in this order (a limit or an "
                     "order only: the table always holds the plan's seeds)")
+    ap.add_argument("--arms", help="comma-separated subset of the plan's arms, run in this order within each seed (a "
+                    "limit or an order only, like --seeds: e.g. the headline pair's seeds first)")
     ap.add_argument("--max-minutes", type=float, help="stop after the cell (with the training it needed) that "
                     "crosses this many minutes; the table keeps every finished cell")
     args = ap.parse_args(argv)
@@ -319,7 +325,7 @@ def main(argv=None, description: str = __doc__, default_plan: str = "benchmarks/
 
     try:
         run(args.plan, args.json, args.runs, [int(x) for x in args.seeds.split(",")] if args.seeds else None,
-            args.max_minutes)
+            args.max_minutes, args.arms.split(",") if args.arms else None)
     except DlmError as e:
         sys.exit(f"error: {e}")
 

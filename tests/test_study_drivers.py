@@ -121,8 +121,10 @@ def test_pumba_study_smoke_run_resumes_and_refuses_a_changed_plan(tmp_path, monk
     assert "u=4/unseen: waiting for" in capsys.readouterr().out
     shutil.copy(data / "test.jsonl", data / "test_unseen.jsonl")
     monkeypatch.setattr(loop, "train", lambda *a, **k: pytest.fail("a trained arm was trained again"))
-    third = pumba_study.run(plan, table_path, runs)
-    assert third == {"cells": 2, "stopped": False, "waiting": []}
+    third = pumba_study.run(plan, table_path, runs, arms=["w1"])  # --arms limits: mdm's unseen cell is left
+    assert third == {"cells": 1, "stopped": False, "waiting": []}
+    assert not StudyTable(table_path, Plan.load(plan)).has("mdm", 0, "u=4/unseen")
+    assert pumba_study.run(plan, table_path, runs) == {"cells": 1, "stopped": False, "waiting": []}
     table = StudyTable(table_path, Plan.load(plan))
     assert table.cell("mdm", 0, "u=4") == cell and list(table.missing()) == []
     assert table.pins["warm_start"] and table.cell("w1", 0, "u=4")["model"] != cell["model"]
@@ -142,6 +144,8 @@ def test_pumba_study_smoke_run_resumes_and_refuses_a_changed_plan(tmp_path, monk
         pumba_study.run(_smoke_plan(tmp_path, warm, data, w1_updates=3), tmp_path / "new.json", runs)
     with pytest.raises(StudyError, match="only orders or limits"):
         pumba_study.run(plan, table_path, runs, seeds=[0, 5])
+    with pytest.raises(StudyError, match="only orders or limits"):
+        pumba_study.run(plan, table_path, runs, arms=["w1", "w9"])
 
 
 REPORT_PLAN = """name: synthetic
