@@ -2,7 +2,8 @@
 
 Reads docs/results/claims.yaml (every claim of PUMBA and TESS 2 that dlm measures, with its evidence) and the
 pre-registered study tables present in docs/results/ (`dlm.evaluation.study.StudyTable` JSON), and writes
-docs/results/README.md (the table, the verdict rule, the date and this command) and the Results section of README.md
+docs/results/README.md (the table, the verdict rule, the date, this command, and how far each plan in
+benchmarks/plans/ has got: cells, complete (arm, seed) pairs, hours spent) and the Results section of README.md
 (one line per headline claim, between `<!-- claims:begin -->` and `<!-- claims:end -->`).
 
     python benchmarks/claims_table.py                  # both files, from the repository root
@@ -344,7 +345,50 @@ def build_rows(data: dict, results: Path, plans: Path) -> list[dict]:
     return rows
 
 
-def render_results_readme(data: dict, rows: list[dict], date: str) -> str:
+def plan_progress(results: Path, plans: Path) -> list[dict]:
+    """How far each pre-registered plan in `plans` has got: its table is `results`/<plan name>.json."""
+    out = []
+    for path in sorted(plans.glob("*.yaml")):
+        try:
+            plan = Plan.load(path)
+        except StudyError as e:
+            raise ClaimsError(str(e)) from None
+        table_path = results / f"{plan.name}.json"
+        table = StudyTable(table_path, plan) if table_path.is_file() else None  # refuses another plan's table
+        cells = table.cells if table else []
+        pairs = [(a, s) for s in plan.seeds for a in plan.arms]
+        only = (plan.settings or {}).get("eval_arms") or {}  # {eval: [arms]}: an evaluation planned for some arms
+        keys = {a: [k for k in plan.evals if a in only.get(k, plan.arms)] for a in plan.arms}
+        complete = [(a, s) for a, s in pairs if table and all(table.has(a, s, k) for k in keys[a])]
+        full = [a for a in plan.arms if all((a, s) in complete for s in plan.seeds)]
+        trained = {(c["arm"], c["seed"]): c.get("train_seconds") or 0 for c in cells}
+        evaluated = sum(c.get("ms_per_problem", 0) * c["n"] / 1000 for c in cells if "copied_from" not in c)
+        out.append({"plan": plan.name, "source": path, "table": table_path if table else None,
+                    "cells": len(cells), "planned": sum(len(keys[a]) for a, _ in pairs), "pairs": len(pairs),
+                    "complete": complete, "full": full, "arms": plan.arms, "seeds": plan.seeds,
+                    "hours": (sum(trained.values()) + evaluated) / 3600})
+    return out
+
+
+def render_progress(progress: list[dict], results: Path) -> list[str]:
+    out = ["## Study progress", "",
+           "The pre-registered plans (`benchmarks/plans/`) and how many of their cells have run; each plan's header "
+           "has the command that continues it where its table stopped. Hours: the training and evaluation time its "
+           "cells recorded (one thread, wall time on a shared machine; copied cells not counted).", "",
+           "| plan | cells | (arm, seed) complete | arms with every seed | per seed: arms complete | hours so far |",
+           "|---|---|---|---|---|---|"]
+    for p in progress:
+        name = f"[{p['plan']}]({p['table'].name})" if p["table"] else f"{p['plan']}"
+        per_seed = ", ".join(f"seed {s}: {sum(1 for a, t in p['complete'] if t == s)}/{len(p['arms'])}"
+                             for s in p["seeds"])
+        out.append(f"| {name} ([plan](../../benchmarks/plans/{p['source'].name})) | {p['cells']} / {p['planned']} "
+                   f"| {len(p['complete'])} / {p['pairs']} | {', '.join(p['full']) or '—'} | {per_seed} "
+                   f"| {p['hours']:.1f} |")
+    return out + [""]
+
+
+def render_results_readme(data: dict, rows: list[dict], date: str, progress: list[dict] | None = None,
+                          results: Path | None = None) -> str:
     counts = {k: sum(r["kind"] == k for r in rows) for k in VERDICTS}
     out = ["# Claims of the two papers, and what dlm measured", "",
            f"Generated on {date} by `{COMMAND}` from [`claims.yaml`](claims.yaml) and the study tables in this "
@@ -369,6 +413,8 @@ def render_results_readme(data: dict, rows: list[dict], date: str) -> str:
         if notes:
             out += ["", "Notes:"] + [f"- `{r['id']}`: {' '.join(r['note'].split())}" for r in notes]
         out.append("")
+    if progress:
+        out += render_progress(progress, results)
     if data["out_of_scope"]:
         out += ["## Claims not in the table (out of reach here)", ""] + [f"- {x}" for x in data["out_of_scope"]]
         out.append("")
@@ -420,7 +466,7 @@ def main(argv=None) -> None:
     results = Path(args.results) if args.results else data["path"].parent
     rows = build_rows(data, results, Path(args.plans))
     out = Path(args.out) if args.out else results / "README.md"
-    out.write_text(render_results_readme(data, rows, args.date))
+    out.write_text(render_results_readme(data, rows, args.date, plan_progress(results, Path(args.plans)), results))
     if args.readme:
         readme = Path(args.readme)
         readme.write_text(replace_between(readme.read_text(), render_readme_section(rows), str(readme)))

@@ -4,13 +4,13 @@
 
 The plan (benchmarks/plans/*.yaml) fixes, before anything runs, the arms, the seeds, the evaluations and every
 setting; this driver only carries it out. For each seed (seed-major, in the plan's order or --seeds') and each arm
-(in the plan's order or --arms') it trains the arm into RUNS/seed<s>/<arm> (resumed from its last checkpoint when one is there)
-and then runs every missing evaluation of that (arm, seed), adding one cell per evaluation to the table (--json,
-default docs/results/<plan>.json): per-problem outcomes, NFE, training seconds, updates, denoiser passes and the
-model's fingerprint. The table refuses cells from a changed plan and starts (warm start, AR parent) whose weights
-differ from the pinned ones, so a study spans sessions: rebuild the starts with the plan's commands, rerun the same
-command, and it continues where the committed table stopped. Nothing on the command line changes what a cell means:
-updates, learning rates, problems and decoding all come from the plan.
+(in the plan's order or --arms') it trains the arm into RUNS/seed<s>/<arm> (resumed from its last checkpoint when
+one is there) and then runs every missing evaluation of that (arm, seed), adding one cell per evaluation to the
+table (--json, default docs/results/<plan>.json): per-problem outcomes, NFE, training seconds, updates, denoiser
+passes and the model's fingerprint. The table refuses cells from a changed plan and starts (warm start, AR parent)
+whose weights differ from the pinned ones, so a study spans sessions: rebuild the starts with the plan's commands,
+rerun the same command, and it continues where the committed table stopped. Nothing on the command line changes what
+a cell means: updates, learning rates, problems and decoding all come from the plan.
 
 Plan settings read here:
   starts:     {name: {path, commands}}: saved models arms start from or evaluate; each is fingerprinted and pinned

@@ -191,3 +191,20 @@ def test_shipped_claims_quote_their_json(tmp_path):
     headlines = [r for r in rows if r["readme"]]
     assert any("same 1,000 updates" in r["readme"] for r in headlines)  # speed against an AR with equal updates
     assert all(r["kind"] in claims_table.VERDICTS for r in rows)
+
+
+def test_study_progress_counts_each_plans_complete_arms_and_seeds(tmp_path):
+    """The README's progress table: toy has every cell of 'e' for 3 seeds but 'one-seed' only for better/b seed 0;
+    an eval planned for some arms only (eval_arms) is not counted against the others; a plan with no table is 0."""
+    plans, results, table = _study(tmp_path, PLAN.replace("settings: {", "settings: {eval_arms: {one-seed: "
+                                                          "[better, b]}, "))
+    progress = {p["plan"]: p for p in claims_table.plan_progress(results, plans)}
+    toy, empty = progress["toy"], progress["empty"]
+    assert toy["cells"] == 14 and toy["planned"] == 4 * 3 + 2 * 3  # 'e' for 4 arms, 'one-seed' for 2, 3 seeds
+    assert sorted(toy["complete"]) == sorted([(a, s) for a in ("slightly", "worse") for s in (0, 1, 2)]
+                                             + [("better", 0), ("b", 0)])
+    assert toy["full"] == ["slightly", "worse"] and toy["table"] == results / "toy.json"
+    assert empty["cells"] == 0 and empty["planned"] == 4 * 3 * 2 and empty["complete"] == [] and empty["table"] is None
+    lines = claims_table.render_progress(list(progress.values()), results)
+    row = next(x for x in lines if x.startswith("| [toy]"))
+    assert "| 14 / 18 | 8 / 12 | slightly, worse | seed 0: 4/4, seed 1: 2/4, seed 2: 2/4 |" in row
