@@ -57,7 +57,7 @@ class ClaimsError(DlmError):
 # -- reading claims.yaml ---------------------------------------------------------------------------------------------
 _FIELDS = {"id", "paper", "section", "statement", "paper_number", "readme", "evidence"}
 _REQUIRED = ("id", "paper", "section", "statement", "paper_number", "evidence")
-_STUDY = {"plan", "arm_a", "arm_b", "eval", "eval_b", "expect", "margin", "json"}
+_STUDY = {"plan", "arm_a", "arm_b", "eval", "eval_b", "expect", "margin", "json", "note"}
 _LEGACY = {"doc", "number", "n", "seeds", "ci", "verdict", "note", "check"}
 _CHECK = {"json", "path", "value", "tol"}
 
@@ -326,6 +326,7 @@ def build_rows(data: dict, results: Path, plans: Path) -> list[dict]:
                 note="; ".join(x for x in (
                     f"claim: {ref['arm_a']} not worse than {ref['arm_b']} by more than {ref['margin']} points"
                     if ref["expect"] == "not_lower" else None,
+                    " ".join(ref["note"].split()).rstrip(".") if ref.get("note") else None,
                     f"earlier one-seed measurement ({ev['legacy']['doc']}): {ev['legacy']['number']}"
                     if "legacy" in ev else None) if x) or None)
         elif "legacy" in ev:

@@ -77,7 +77,7 @@ def test_verdicts_from_synthetic_study_tables(tmp_path):
 
     claims = tmp_path / "claims.yaml"
     claims.write_text("claims:\n" + "".join([
-        _claim("rep", "study: {plan: toy, arm_a: better, arm_b: b, eval: e}"),
+        _claim("rep", "study: {plan: toy, arm_a: better, arm_b: b, eval: e, note: A reader note.}"),
         _claim("part", "study: {plan: toy, arm_a: slightly, arm_b: b, eval: e}"),
         _claim("one", "study: {plan: toy, arm_a: better, arm_b: b, eval: one-seed}"),
         _claim("neg", "study: {plan: toy, arm_a: worse, arm_b: b, eval: e}"),
@@ -97,6 +97,7 @@ def test_verdicts_from_synthetic_study_tables(tmp_path):
     assert rows["rep"][6].startswith(f"[{low:+.1f}, {high:+.1f}]")
     assert f"({100 * rep['difference']:+.1f})" in rows["rep"][3]
     assert "Generated on 2026-12-01 by `python benchmarks/claims_table.py`" in (results / "README.md").read_text()
+    assert "- `rep`: A reader note\n" in (results / "README.md").read_text()  # a study's note, shown with its row
 
 
 def test_comparisons_listed_as_pairs_count_as_preregistered(tmp_path):
