@@ -419,6 +419,8 @@ def plot_study(plan: Plan, table: StudyTable, path: str | Path) -> None:
 
     s = plan.settings
     steps_arms = [a for a in plan.arms if set(s["arm_settings"][a]) == {"model", "inference_steps"}]
+    if len({s["arm_settings"][a]["inference_steps"] for a in steps_arms}) < len(steps_arms):
+        return plot_arms(plan, table, path)  # arms that differ in their model, not in their steps
     guided = [a for a in plan.arms if "guidance_scale" in s["arm_settings"][a]]
     base = s.get("guidance_baseline")
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
@@ -449,6 +451,35 @@ def plot_study(plan: Plan, table: StudyTable, path: str | Path) -> None:
         if ax.lines:
             ax.legend()
     fig.suptitle(f"{plan.name}: mean ± sd over seeds {list(plan.seeds)}, n = {s['n']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_arms(plan: Plan, table: StudyTable, path: str | Path) -> None:
+    """One bar per arm (mean over seeds, sd as error bar, each seed a dot), one group per evaluation: for plans whose
+    arms are different models sampled the same way (e.g. the ablations)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(plan.arms) * len(plan.evals)), 4))
+    width = 0.8 / len(plan.evals)
+    for j, key in enumerate(plan.evals):
+        arms = planned_arms(plan, key)
+        xs = [plan.arms.index(a) + (j - (len(plan.evals) - 1) / 2) * width for a in arms]
+        summ = [table.summary(a, key) for a in arms]
+        ax.bar(xs, [100 * (m["mean"] or 0) for m in summ], width, yerr=[100 * (m["sd"] or 0) for m in summ],
+               capsize=3, alpha=0.7, label=key)
+        for x, m in zip(xs, summ):
+            ax.plot([x] * len(m["per_seed"]), [100 * v for v in m["per_seed"]], "k.", ms=4)
+    ax.set_xticks(range(len(plan.arms)), plan.arms, rotation=20)
+    ax.set(ylabel="accuracy (%)", title=f"{plan.name}: mean ± sd over seeds {list(plan.seeds)} (dots: seeds), "
+           f"n = {plan.settings['n']}")
+    ax.set_ylim(bottom=0)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
