@@ -362,7 +362,11 @@ def plan_progress(results: Path, plans: Path) -> list[dict]:
         keys = {a: [k for k in plan.evals if a in only.get(k, plan.arms)] for a in plan.arms}
         complete = [(a, s) for a, s in pairs if table and all(table.has(a, s, k) for k in keys[a])]
         full = [a for a in plan.arms if all((a, s) in complete for s in plan.seeds)]
-        trained = {(c["arm"], c["seed"]): c.get("train_seconds") or 0 for c in cells}
+        # one training per model: an arm that evaluates another arm's weights (e.g. its carry zeroed) repeats them
+        trained: dict = {}
+        for c in cells:
+            key = c.get("model") or (c["arm"], c["seed"])
+            trained[key] = max(trained.get(key, 0), c.get("train_seconds") or 0)
         evaluated = sum(c.get("ms_per_problem", 0) * c["n"] / 1000 for c in cells if "copied_from" not in c)
         out.append({"plan": plan.name, "source": path, "table": table_path if table else None,
                     "cells": len(cells), "planned": sum(len(keys[a]) for a, _ in pairs), "pairs": len(pairs),

@@ -199,7 +199,14 @@ def test_study_progress_counts_each_plans_complete_arms_and_seeds(tmp_path):
     an eval planned for some arms only (eval_arms) is not counted against the others; a plan with no table is 0."""
     plans, results, table = _study(tmp_path, PLAN.replace("settings: {", "settings: {eval_arms: {one-seed: "
                                                           "[better, b]}, "))
+    for arm, seconds in (("slightly", 1800), ("worse", 1800)):  # 'worse' evaluates the weights 'slightly' trained
+        for cell in table.cells:
+            if cell["arm"] == arm:
+                cell.update(model="same-weights", train_seconds=seconds)
+    table.cells[0].update(train_seconds=3600, ms_per_problem=1000 * 3600 / 200)  # 1 h training + 1 h evaluating
+    table._write()
     progress = {p["plan"]: p for p in claims_table.plan_progress(results, plans)}
+    assert progress["toy"]["hours"] == pytest.approx(1 + 1 + 0.5)  # the shared weights' training counted once
     toy, empty = progress["toy"], progress["empty"]
     assert toy["cells"] == 14 and toy["planned"] == 4 * 3 + 2 * 3  # 'e' for 4 arms, 'one-seed' for 2, 3 seeds
     assert sorted(toy["complete"]) == sorted([(a, s) for a in ("slightly", "worse") for s in (0, 1, 2)]
