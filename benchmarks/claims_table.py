@@ -375,7 +375,7 @@ def plan_progress(results: Path, plans: Path) -> list[dict]:
     return out
 
 
-def render_progress(progress: list[dict], results: Path) -> list[str]:
+def render_progress(progress: list[dict]) -> list[str]:
     out = ["## Study progress", "",
            "The pre-registered plans (`benchmarks/plans/`) and how many of their cells have run; each plan's header "
            "has the command that continues it where its table stopped. Hours: the training and evaluation time its "
@@ -392,8 +392,7 @@ def render_progress(progress: list[dict], results: Path) -> list[str]:
     return out + [""]
 
 
-def render_results_readme(data: dict, rows: list[dict], date: str, progress: list[dict] | None = None,
-                          results: Path | None = None) -> str:
+def render_results_readme(data: dict, rows: list[dict], date: str, progress: list[dict] | None = None) -> str:
     counts = {k: sum(r["kind"] == k for r in rows) for k in VERDICTS}
     out = ["# Claims of the two papers, and what dlm measured", "",
            f"Generated on {date} by `{COMMAND}` from [`claims.yaml`](claims.yaml) and the study tables in this "
@@ -419,7 +418,7 @@ def render_results_readme(data: dict, rows: list[dict], date: str, progress: lis
             out += ["", "Notes:"] + [f"- `{r['id']}`: {' '.join(r['note'].split())}" for r in notes]
         out.append("")
     if progress:
-        out += render_progress(progress, results)
+        out += render_progress(progress)
     if data["out_of_scope"]:
         out += ["## Claims not in the table (out of reach here)", ""] + [f"- {x}" for x in data["out_of_scope"]]
         out.append("")
@@ -471,7 +470,7 @@ def main(argv=None) -> None:
     results = Path(args.results) if args.results else data["path"].parent
     rows = build_rows(data, results, Path(args.plans))
     out = Path(args.out) if args.out else results / "README.md"
-    out.write_text(render_results_readme(data, rows, args.date, plan_progress(results, Path(args.plans)), results))
+    out.write_text(render_results_readme(data, rows, args.date, plan_progress(results, Path(args.plans))))
     if args.readme:
         readme = Path(args.readme)
         readme.write_text(replace_between(readme.read_text(), render_readme_section(rows), str(readme)))

@@ -213,6 +213,6 @@ def test_study_progress_counts_each_plans_complete_arms_and_seeds(tmp_path):
                                              + [("better", 0), ("b", 0)])
     assert toy["full"] == ["slightly", "worse"] and toy["table"] == results / "toy.json"
     assert empty["cells"] == 0 and empty["planned"] == 4 * 3 * 2 and empty["complete"] == [] and empty["table"] is None
-    lines = claims_table.render_progress(list(progress.values()), results)
+    lines = claims_table.render_progress(list(progress.values()))
     row = next(x for x in lines if x.startswith("| [toy]"))
     assert "| 14 / 18 | 8 / 12 | slightly, worse | seed 0: 4/4, seed 1: 2/4, seed 2: 2/4 |" in row
