@@ -358,8 +358,7 @@ def plan_progress(results: Path, plans: Path) -> list[dict]:
         table = StudyTable(table_path, plan) if table_path.is_file() else None  # refuses another plan's table
         cells = table.cells if table else []
         pairs = [(a, s) for s in plan.seeds for a in plan.arms]
-        only = (plan.settings or {}).get("eval_arms") or {}  # {eval: [arms]}: an evaluation planned for some arms
-        keys = {a: [k for k in plan.evals if a in only.get(k, plan.arms)] for a in plan.arms}
+        keys = {a: [k for k in plan.evals if a in plan.planned_arms(k)] for a in plan.arms}
         complete = [(a, s) for a, s in pairs if table and all(table.has(a, s, k) for k in keys[a])]
         full = [a for a in plan.arms if all((a, s) in complete for s in plan.seeds)]
         # one training per model: an arm that evaluates another arm's weights (e.g. its carry zeroed) repeats them

@@ -248,7 +248,7 @@ class Study:
         """Evaluate every missing cell (seed-major); returns how many were added."""
         added, loaded = 0, {}
         for arm, seed, key in self.table.missing():
-            if arm not in planned_arms(self.plan, key):
+            if arm not in self.plan.planned_arms(key):
                 continue
             if self.out_of_time():
                 print("--max-minutes reached; the next call resumes here", flush=True)
@@ -303,11 +303,6 @@ def _complete(run: Path, steps: int) -> bool:
     return bool(lines) and json.loads(lines[-1])["step"] >= steps
 
 
-def planned_arms(plan: Plan, key: str) -> list[str]:
-    """The arms evaluated on `key`: all, unless settings.eval_arms names a subset."""
-    return list(plan.settings.get("eval_arms", {}).get(key, plan.arms))
-
-
 def check_plan(plan: Plan) -> None:
     """Every setting the study reads is there and every name resolves; one line naming the field otherwise."""
     s, src = plan.settings, plan.source
@@ -359,7 +354,7 @@ def report_lines(plan: Plan, table: StudyTable, command: str) -> list[str]:
     plan's paired comparisons (and the best η against η = 0, marked as chosen after the fact)."""
     s = plan.settings
     done = len(table.cells)
-    total = sum(len(planned_arms(plan, key)) for key in plan.evals) * len(plan.seeds)
+    total = sum(len(plan.planned_arms(key)) for key in plan.evals) * len(plan.seeds)
     lines = [f"Plan `{plan.source}` (`{plan.name}`, digest `{plan.digest}`): {done} of {total} planned cells "
              f"(arms × seeds {list(plan.seeds)} × evaluations {list(plan.evals)}); first {s['n']} problems of each "
              "evaluation file. Accuracy is mean ± sd over seeds (per seed in brackets). Regenerate with:", "",
@@ -370,7 +365,7 @@ def report_lines(plan: Plan, table: StudyTable, command: str) -> list[str]:
     for key in plan.evals:
         lines += [f"### {key}", "", "| arm | model | setting | accuracy | mean NFE | ms / problem | mean reward |",
                   "|---|---|---|---|---|---|---|"]
-        for arm in planned_arms(plan, key):
+        for arm in plan.planned_arms(key):
             spec, summ = s["arm_settings"][arm], table.summary(arm, key)
             cells = [c for c in table.cells if c["arm"] == arm and c["eval"] == key]
             ms = f"{sum(c.get('ms_per_problem', 0) for c in cells) / len(cells):.0f}" if cells else "—"
@@ -380,7 +375,7 @@ def report_lines(plan: Plan, table: StudyTable, command: str) -> list[str]:
                          f"{f'{sum(rewards) / len(rewards):.3f}' if rewards else '—'} |")
         lines += ["", "Paired comparisons (pre-registered; CI over problems of the seed-averaged difference):", ""]
         for a, b in s.get("comparisons", []):
-            if {a, b} <= set(planned_arms(plan, key)):
+            if {a, b} <= set(plan.planned_arms(key)):
                 lines.append(f"- {a} vs {b}: {_compare(table, a, b, key)}")
         best = _best_guided(plan, table, key)
         if best:
@@ -403,7 +398,7 @@ def _best_guided(plan: Plan, table: StudyTable, key: str):
     """(best guided arm by mean accuracy, its η = 0 arm, how many guided arms) or None."""
     s = plan.settings
     base = s.get("guidance_baseline")
-    guided = [a for a in planned_arms(plan, key) if "guidance_scale" in s["arm_settings"][a]]
+    guided = [a for a in plan.planned_arms(key) if "guidance_scale" in s["arm_settings"][a]]
     scored = [(table.summary(a, key)["mean"], a) for a in guided if table.summary(a, key)["mean"] is not None]
     if not (base and scored and table.summary(base, key)["mean"] is not None):
         return None
@@ -467,7 +462,7 @@ def plot_arms(plan: Plan, table: StudyTable, path: str | Path) -> None:
     fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(plan.arms) * len(plan.evals)), 4))
     width = 0.8 / len(plan.evals)
     for j, key in enumerate(plan.evals):
-        arms = planned_arms(plan, key)
+        arms = plan.planned_arms(key)
         xs = [plan.arms.index(a) + (j - (len(plan.evals) - 1) / 2) * width for a in arms]
         summ = [table.summary(a, key) for a in arms]
         ax.bar(xs, [100 * (m["mean"] or 0) for m in summ], width, yerr=[100 * (m["sd"] or 0) for m in summ],
@@ -529,7 +524,7 @@ def run_section(args) -> None:
         if args.section == "study":
             deadline = time.time() + 60 * args.max_minutes if args.max_minutes else None
             added = Study(plan, table, deadline).run()
-            left = sum(arm in planned_arms(plan, key) for arm, _, key in table.missing())
+            left = sum(arm in plan.planned_arms(key) for arm, _, key in table.missing())
             print(f"{added} cells added; {left} planned cells missing", flush=True)
             return
         check_plan(plan)

@@ -85,6 +85,10 @@ class Plan:
         return {"name": self.name, "arms": list(self.arms), "seeds": list(self.seeds), "evals": list(self.evals),
                 "settings": json.loads(json.dumps(dict(self.settings), sort_keys=True))}
 
+    def planned_arms(self, key: str) -> list[str]:
+        """The arms evaluated on `key`: all, unless settings.eval_arms ({eval: [arms]}) names a subset."""
+        return list((self.settings.get("eval_arms") or {}).get(key, self.arms))
+
     @property
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(self.as_dict(), sort_keys=True).encode()).hexdigest()[:16]
