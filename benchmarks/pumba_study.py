@@ -231,7 +231,7 @@ def check_arm(plan, table, arm: str, recipes: dict) -> str | None:
 
 
 # ---- the driver -------------------------------------------------------------------------------------------------
-def run(plan_path, json_path=None, runs=None, seeds=None, max_minutes=None, arms=None) -> dict:
+def run(plan_path, json_path=None, runs=None, seeds=None, max_minutes=None, arms=None, evals=None) -> dict:
     """Carry out a plan (see the module docstring); returns {'cells': added, 'stopped': bool, 'waiting': [...]}."""
     from dlm.evaluation.study import Plan, StudyError, StudyTable, fingerprint, problems_digest
     from dlm.modeling.backbone import resolve_model_dir
@@ -249,6 +249,11 @@ def run(plan_path, json_path=None, runs=None, seeds=None, max_minutes=None, arms
     stray = [a for a in arm_order if a not in plan.arms]
     if stray:
         raise StudyError(f"--arms {stray} not in the plan's arms {list(plan.arms)}; --arms only orders or limits")
+    eval_order = list(plan.evals) if evals is None else list(evals)
+    stray = [k for k in eval_order if k not in plan.evals]
+    if stray:
+        raise StudyError(f"--evals {stray} not in the plan's evaluations {list(plan.evals)}; --evals only orders or "
+                         "limits")
     specs = plan.settings["arm_specs"]
     for name in dict.fromkeys(spec.get("init") or spec.get("model") for spec in specs.values()
                               if spec.get("init") or spec.get("model")):
@@ -260,7 +265,7 @@ def run(plan_path, json_path=None, runs=None, seeds=None, max_minutes=None, arms
     added, waiting, recipes = 0, [], {}
     for seed in order:
         for arm in arm_order:
-            for key in [k for k in plan.evals if not table.has(arm, seed, k)]:
+            for key in [k for k in eval_order if not table.has(arm, seed, k)]:
                 split = parse_eval(key)[2]
                 if not split_file(plan, split).is_file():
                     if key not in waiting:
@@ -318,6 +323,8 @@ def main(argv=None, description: str = __doc__, default_plan: str = "benchmarks/
                     "order only: the table always holds the plan's seeds)")
     ap.add_argument("--arms", help="comma-separated subset of the plan's arms, run in this order within each seed (a "
                     "limit or an order only, like --seeds: e.g. the headline pair's seeds first)")
+    ap.add_argument("--evals", help="comma-separated subset of the plan's evaluations, run in this order for each "
+                    "arm (a limit or an order only: e.g. the evaluation the comparisons read, in every arm, first)")
     ap.add_argument("--max-minutes", type=float, help="stop after the cell (with the training it needed) that "
                     "crosses this many minutes; the table keeps every finished cell")
     args = ap.parse_args(argv)
@@ -325,7 +332,8 @@ def main(argv=None, description: str = __doc__, default_plan: str = "benchmarks/
 
     try:
         run(args.plan, args.json, args.runs, [int(x) for x in args.seeds.split(",")] if args.seeds else None,
-            args.max_minutes, args.arms.split(",") if args.arms else None)
+            args.max_minutes, args.arms.split(",") if args.arms else None,
+            args.evals.split(",") if args.evals else None)
     except DlmError as e:
         sys.exit(f"error: {e}")
 

@@ -121,7 +121,8 @@ def test_pumba_study_smoke_run_resumes_and_refuses_a_changed_plan(tmp_path, monk
     assert "u=4/unseen: waiting for" in capsys.readouterr().out
     shutil.copy(data / "test.jsonl", data / "test_unseen.jsonl")
     monkeypatch.setattr(loop, "train", lambda *a, **k: pytest.fail("a trained arm was trained again"))
-    third = pumba_study.run(plan, table_path, runs, arms=["w1"])  # --arms limits: mdm's unseen cell is left
+    assert pumba_study.run(plan, table_path, runs, evals=["u=4"])["cells"] == 0  # --evals limits: no unseen cell
+    third = pumba_study.run(plan, table_path, runs, arms=["w1"], evals=["u=4/unseen"])  # mdm's unseen cell is left
     assert third == {"cells": 1, "stopped": False, "waiting": []}
     assert not StudyTable(table_path, Plan.load(plan)).has("mdm", 0, "u=4/unseen")
     assert pumba_study.run(plan, table_path, runs) == {"cells": 1, "stopped": False, "waiting": []}
@@ -146,6 +147,8 @@ def test_pumba_study_smoke_run_resumes_and_refuses_a_changed_plan(tmp_path, monk
         pumba_study.run(plan, table_path, runs, seeds=[0, 5])
     with pytest.raises(StudyError, match="only orders or limits"):
         pumba_study.run(plan, table_path, runs, arms=["w1", "w9"])
+    with pytest.raises(StudyError, match="only orders or limits"):
+        pumba_study.run(plan, table_path, runs, evals=["u=4", "u=9"])
 
 
 REPORT_PLAN = """name: synthetic
