@@ -19,6 +19,7 @@ import argparse
 import datetime
 import json
 import re
+import statistics
 import sys
 from pathlib import Path
 
@@ -367,28 +368,81 @@ def plan_progress(results: Path, plans: Path) -> list[dict]:
             key = c.get("model") or (c["arm"], c["seed"])
             trained[key] = max(trained.get(key, 0), c.get("train_seconds") or 0)
         evaluated = sum(c.get("ms_per_problem", 0) * c["n"] / 1000 for c in cells if "copied_from" not in c)
+        to_go, unmeasured = _time_to_go(plan, table)
         out.append({"plan": plan.name, "source": path, "table": table_path if table else None,
+                    "to_go": to_go / 3600, "unmeasured": unmeasured,
                     "cells": len(cells), "planned": sum(len(keys[a]) for a, _ in pairs), "pairs": len(pairs),
                     "complete": complete, "full": full, "arms": plan.arms, "seeds": plan.seeds,
                     "hours": (sum(trained.values()) + evaluated) / 3600})
     return out
 
 
+def _time_to_go(plan: Plan, table: StudyTable | None) -> tuple[float, list[str]]:
+    """Seconds the plan's missing cells will take, estimated from the cells it has, and the arms it cannot estimate.
+
+    A missing evaluation costs the median time its arm took for that key in other seeds (else the median over arms
+    for that key); an (arm, seed) with no cell yet also costs its arm's median training time. Nothing is charged for
+    what the drivers copy or never train: a start evaluated as it is, once one seed has the cell, or an arm that
+    evaluates another arm's weights. An arm whose cost has no measurement to come from is listed, not guessed."""
+    cells = table.cells if table else []
+    specs = plan.settings.get("arm_specs") or {}
+    evals: dict = {}
+    trains: dict = {}
+    for c in cells:
+        if "copied_from" not in c and c.get("ms_per_problem"):
+            evals.setdefault((c["arm"], c["eval"]), []).append(c["ms_per_problem"] * c["n"] / 1000)
+        if c.get("train_seconds") and not specs.get(c["arm"], {}).get("model_of"):
+            trains.setdefault(c["arm"], {})[c["seed"]] = c["train_seconds"]
+    total, unmeasured = 0.0, []
+    for arm in plan.arms:
+        spec = specs.get(arm, {})
+        for seed in plan.seeds:
+            keys = [k for k in plan.evals if arm in plan.planned_arms(k) and not (table and table.has(arm, seed, k))]
+            if not keys:
+                continue
+            begun = table is not None and any(table.has(arm, seed, k) for k in plan.evals)
+            if not begun and not spec.get("model") and not spec.get("model_of"):
+                if arm in trains:
+                    total += statistics.median(list(trains[arm].values()))
+                elif arm not in unmeasured:
+                    unmeasured.append(arm)
+            for k in keys:
+                if spec.get("model") and table is not None and any(table.has(arm, s, k) for s in plan.seeds):
+                    continue  # a start's greedy decoding: the drivers copy the cell of another seed
+                times = evals.get((arm, k)) or [t for (a, key), ts in evals.items() if key == k for t in ts]
+                if times:
+                    total += statistics.median(times)
+                elif arm not in unmeasured:
+                    unmeasured.append(arm)
+    return total, unmeasured
+
+
 def render_progress(progress: list[dict]) -> list[str]:
     out = ["## Study progress", "",
            "The pre-registered plans (`benchmarks/plans/`) and how many of their cells have run; each plan's header "
            "has the command that continues it where its table stopped. Hours: the training and evaluation time its "
-           "cells recorded (one thread, wall time on a shared machine; copied cells not counted).", "",
-           "| plan | cells | (arm, seed) complete | arms with every seed | per seed: arms complete | hours so far |",
-           "|---|---|---|---|---|---|"]
+           "cells recorded (one thread, wall time on a shared machine; copied cells not counted). Hours to go: the "
+           "missing cells at the times the same arm (else the same evaluation) took in the cells so far; arms with "
+           "nothing to estimate from are named.", "",
+           "| plan | cells | (arm, seed) complete | arms with every seed | per seed: arms complete | hours so far "
+           "| hours to go (estimate) |",
+           "|---|---|---|---|---|---|---|"]
     for p in progress:
         name = f"[{p['plan']}]({p['table'].name})" if p["table"] else f"{p['plan']}"
         per_seed = ", ".join(f"seed {s}: {sum(1 for a, t in p['complete'] if t == s)}/{len(p['arms'])}"
                              for s in p["seeds"])
         out.append(f"| {name} ([plan](../../benchmarks/plans/{p['source'].name})) | {p['cells']} / {p['planned']} "
                    f"| {len(p['complete'])} / {p['pairs']} | {', '.join(p['full']) or '—'} | {per_seed} "
-                   f"| {p['hours']:.1f} |")
+                   f"| {p['hours']:.1f} | {_to_go_text(p)} |")
     return out + [""]
+
+
+def _to_go_text(p: dict) -> str:
+    if not p["unmeasured"]:
+        return f"{p['to_go']:.1f}"
+    if p["cells"] == 0:
+        return "no cell yet to estimate from"
+    return f"{p['to_go']:.1f} + {', '.join(p['unmeasured'])} (not measured yet)"
 
 
 def render_results_readme(data: dict, rows: list[dict], date: str, progress: list[dict] | None = None) -> str:

@@ -213,6 +213,35 @@ def test_study_progress_counts_each_plans_complete_arms_and_seeds(tmp_path):
                                              + [("better", 0), ("b", 0)])
     assert toy["full"] == ["slightly", "worse"] and toy["table"] == results / "toy.json"
     assert empty["cells"] == 0 and empty["planned"] == 4 * 3 * 2 and empty["complete"] == [] and empty["table"] is None
+    assert toy["unmeasured"] == ["better", "b"]  # 'one-seed' has no timed cell: nothing to estimate from
+    assert empty["unmeasured"] == list(empty["arms"]) and empty["to_go"] == 0
     lines = claims_table.render_progress(list(progress.values()))
     row = next(x for x in lines if x.startswith("| [toy]"))
     assert "| 14 / 18 | 8 / 12 | slightly, worse | seed 0: 4/4, seed 1: 2/4, seed 2: 2/4 |" in row
+    assert row.endswith("| 0.0 + better, b (not measured yet) |")
+    assert next(x for x in lines if x.startswith("| empty")).endswith("| no cell yet to estimate from |")
+
+
+def test_time_to_go_charges_each_missing_cell_its_arms_measured_time(tmp_path):
+    """Missing evaluations cost their arm's median time at that key (else the key's median over arms); an (arm,
+    seed) not begun also costs its arm's median training; a start's cells (copied) and a model_of arm's training
+    cost nothing; an arm with nothing to go on is named."""
+    plan_text = PLAN.replace("settings: {", "settings: {eval_arms: {one-seed: [better, b]}, "
+                             "arm_specs: {b: {model: start}, worse: {model_of: slightly}}, ")
+    plans, results, table = _study(tmp_path, plan_text)
+    plan = Plan.load(plans / "toy.yaml")
+    table.cells = [c for c in table.cells if not (c["seed"] == 2 and c["arm"] in ("slightly", "worse"))]
+    for c in table.cells:
+        if c["eval"] == "e":  # 'e': 100 s to evaluate; training 600 s (slightly) and 900 / 1500 s (better)
+            c["ms_per_problem"] = 100 * 1000 / c["n"]
+            c["train_seconds"] = {"slightly": 600, "better": 900 + 600 * c["seed"], "worse": 600}.get(c["arm"])
+        elif c["arm"] == "better":
+            c["ms_per_problem"] = 40 * 1000 / c["n"]  # 'one-seed', seed 0: 40 s
+    seconds, unmeasured = claims_table._time_to_go(plan, table)
+    # slightly seed 2: training 600 + e 100; worse seed 2: e 100 (slightly's weights); better one-seed seeds 1, 2:
+    # 2 x 40; b one-seed seeds 1, 2: copied from seed 0 (a start). Nothing unmeasured.
+    assert seconds == pytest.approx(600 + 100 + 100 + 80) and unmeasured == []
+    table.cells = [c for c in table.cells if c["arm"] != "slightly"]
+    seconds, unmeasured = claims_table._time_to_go(plan, table)
+    assert unmeasured == ["slightly"]  # no training of its own to go on (worse's record is slightly's weights)
+    assert seconds == pytest.approx(3 * 100 + 100 + 80)  # its e cells at the median over arms; worse seed 2; better
