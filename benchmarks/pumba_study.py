@@ -231,6 +231,17 @@ def check_arm(plan, table, arm: str, recipes: dict) -> str | None:
 
 
 # ---- the driver -------------------------------------------------------------------------------------------------
+def _subset(flag: str, given, planned) -> list:
+    """--seeds / --arms / --evals: the plan's items in the given order, or all of them; refuses one not planned."""
+    from dlm.evaluation.study import StudyError
+
+    chosen = list(planned) if given is None else list(given)
+    stray = [x for x in chosen if x not in planned]
+    if stray:
+        raise StudyError(f"--{flag} {stray} not in the plan's {flag} {list(planned)}; --{flag} only orders or limits")
+    return chosen
+
+
 def run(plan_path, json_path=None, runs=None, seeds=None, max_minutes=None, arms=None, evals=None) -> dict:
     """Carry out a plan (see the module docstring); returns {'cells': added, 'stopped': bool, 'waiting': [...]}."""
     from dlm.evaluation.study import Plan, StudyError, StudyTable, fingerprint, problems_digest
@@ -241,19 +252,9 @@ def run(plan_path, json_path=None, runs=None, seeds=None, max_minutes=None, arms
     check_plan(plan)
     table = StudyTable(json_path or ROOT / "docs" / "results" / f"{plan.name}.json", plan)
     runs = Path(runs or Path("runs") / plan.name)
-    order = list(plan.seeds) if seeds is None else list(seeds)
-    stray = [x for x in order if x not in plan.seeds]
-    if stray:
-        raise StudyError(f"--seeds {stray} not in the plan's seeds {list(plan.seeds)}; --seeds only orders or limits")
-    arm_order = list(plan.arms) if arms is None else list(arms)
-    stray = [a for a in arm_order if a not in plan.arms]
-    if stray:
-        raise StudyError(f"--arms {stray} not in the plan's arms {list(plan.arms)}; --arms only orders or limits")
-    eval_order = list(plan.evals) if evals is None else list(evals)
-    stray = [k for k in eval_order if k not in plan.evals]
-    if stray:
-        raise StudyError(f"--evals {stray} not in the plan's evaluations {list(plan.evals)}; --evals only orders or "
-                         "limits")
+    order = _subset("seeds", seeds, plan.seeds)
+    arm_order = _subset("arms", arms, plan.arms)
+    eval_order = _subset("evals", evals, plan.evals)
     specs = plan.settings["arm_specs"]
     for name in dict.fromkeys(spec.get("init") or spec.get("model") for spec in specs.values()
                               if spec.get("init") or spec.get("model")):
