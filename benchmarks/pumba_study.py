@@ -231,20 +231,9 @@ def check_arm(plan, table, arm: str, recipes: dict) -> str | None:
 
 
 # ---- the driver -------------------------------------------------------------------------------------------------
-def _subset(flag: str, given, planned) -> list:
-    """--seeds / --arms / --evals: the plan's items in the given order, or all of them; refuses one not planned."""
-    from dlm.evaluation.study import StudyError
-
-    chosen = list(planned) if given is None else list(given)
-    stray = [x for x in chosen if x not in planned]
-    if stray:
-        raise StudyError(f"--{flag} {stray} not in the plan's {flag} {list(planned)}; --{flag} only orders or limits")
-    return chosen
-
-
 def run(plan_path, json_path=None, runs=None, seeds=None, max_minutes=None, arms=None, evals=None) -> dict:
     """Carry out a plan (see the module docstring); returns {'cells': added, 'stopped': bool, 'waiting': [...]}."""
-    from dlm.evaluation.study import Plan, StudyError, StudyTable, fingerprint, problems_digest
+    from dlm.evaluation.study import Plan, StudyError, StudyTable, fingerprint, problems_digest, subset
     from dlm.modeling.backbone import resolve_model_dir
 
     t0 = time.time()
@@ -252,9 +241,9 @@ def run(plan_path, json_path=None, runs=None, seeds=None, max_minutes=None, arms
     check_plan(plan)
     table = StudyTable(json_path or ROOT / "docs" / "results" / f"{plan.name}.json", plan)
     runs = Path(runs or Path("runs") / plan.name)
-    order = _subset("seeds", seeds, plan.seeds)
-    arm_order = _subset("arms", arms, plan.arms)
-    eval_order = _subset("evals", evals, plan.evals)
+    order = subset("seeds", seeds, plan.seeds)
+    arm_order = subset("arms", arms, plan.arms)
+    eval_order = subset("evals", evals, plan.evals)
     specs = plan.settings["arm_specs"]
     for name in dict.fromkeys(spec.get("init") or spec.get("model") for spec in specs.values()
                               if spec.get("init") or spec.get("model")):

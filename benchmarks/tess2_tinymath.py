@@ -37,7 +37,7 @@ from dlm.data.tokenizer import encode_pair
 from dlm.errors import DlmError
 from dlm.evaluation.reward import score_texts
 from dlm.evaluation.stats import format_seed_comparison
-from dlm.evaluation.study import Plan, StudyError, StudyTable, fingerprint, problems_digest, write_study_section
+from dlm.evaluation.study import Plan, StudyError, StudyTable, fingerprint, problems_digest, subset, write_study_section
 from dlm.evaluation.tasks import evaluate
 from dlm.sampling import SimplexOptions, generate, load_for_inference
 from dlm.sampling.guidance import resolve_reward_model
@@ -192,8 +192,9 @@ class Study:
     reward_model names a trained model}}, reward_scorer (a trained reward model scoring every simplex cell's outputs),
     guidance_baseline (the η = 0 arm), comparisons [[arm a, arm b], ...]."""
 
-    def __init__(self, plan: Plan, table: StudyTable, deadline: float | None = None, train_fn=None):
+    def __init__(self, plan: Plan, table: StudyTable, deadline: float | None = None, train_fn=None, seeds=None):
         self.plan, self.table, self.s, self.deadline = plan, table, plan.settings, deadline
+        self.seeds = subset("seeds", seeds, plan.seeds)  # --seeds: e.g. one driver per core, each its own seeds
         self.train_fn = train_fn or _train
         self.models: dict[tuple[str, int], Path] = {}
         self.records: dict[str, list[dict] | None] = {}
@@ -245,9 +246,11 @@ class Study:
         return self.records[key]
 
     def run(self) -> int:
-        """Evaluate every missing cell (seed-major); returns how many were added."""
+        """Evaluate every missing cell of this run's seeds (seed-major, in --seeds' order); returns how many were
+        added."""
         added, loaded = 0, {}
-        for arm, seed, key in self.table.missing():
+        missing = list(self.table.missing())
+        for arm, seed, key in [m for seed in self.seeds for m in missing if m[1] == seed]:
             if arm not in self.plan.planned_arms(key):
                 continue
             if self.out_of_time():
@@ -506,6 +509,8 @@ def main(argv=None) -> None:
     ap.add_argument("--out", help="also write the section's result alone to this file (as tess2-shakespeare.md does)")
     ap.add_argument("--plan", help="study, report: the pre-registered plan (YAML)")
     ap.add_argument("--max-minutes", type=float, help="study: stop (resumably) after this wall time")
+    ap.add_argument("--seeds", help="study: comma-separated subset of the plan's seeds, run in this order (a limit or "
+                    "an order only, e.g. one driver per core; the table always holds the plan's seeds)")
     ap.add_argument("--doc", help="report: the results doc whose study markers are rewritten")
     ap.add_argument("--plot", help="report: the plot (default: the doc's name with .png)")
     args = ap.parse_args(argv)
@@ -523,7 +528,8 @@ def run_section(args) -> None:
         table = StudyTable(args.json, plan)
         if args.section == "study":
             deadline = time.time() + 60 * args.max_minutes if args.max_minutes else None
-            added = Study(plan, table, deadline).run()
+            seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else None
+            added = Study(plan, table, deadline, seeds=seeds).run()
             left = sum(arm in plan.planned_arms(key) for arm, _, key in table.missing())
             print(f"{added} cells added; {left} planned cells missing", flush=True)
             return

@@ -113,6 +113,22 @@ def test_rerun_skips_done_cells_and_fills_a_new_evaluation_file_only(study):
     assert len({c["problems"] for c in unseen}) == 1 and unseen[0]["problems"] != cells[0]["problems"]
 
 
+def test_seeds_limits_a_run_to_its_seeds_and_refuses_one_not_planned(study, capsys):
+    """--seeds (one driver per core): a run fills only its seeds' cells (the models are trained already, so nothing
+    trains), and a seed the plan does not list is one error line, not a traceback."""
+    import tess2_tinymath
+
+    table = study["tmp"] / "seed1-only.json"
+    cli = ["study", "--plan", str(study["plan"]), "--json", str(table)]
+    tess2_tinymath.main([*cli, "--seeds", "1"])
+    cells = json.loads(table.read_text())["cells"]
+    assert {c["seed"] for c in cells} == {1} and len(cells) == 5 + 2  # 5 arms on test, 2 on the unseen file
+    with pytest.raises(SystemExit) as e:
+        tess2_tinymath.main([*cli, "--seeds", "1,3"])
+    assert "--seeds [3] not in the plan's seeds [0, 1]" in str(e.value)
+    assert len(json.loads(table.read_text())["cells"]) == 7  # nothing added by the refused run
+
+
 def test_report_regenerates_only_the_marked_part(study):
     import tess2_tinymath
 

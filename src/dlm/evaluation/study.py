@@ -248,6 +248,16 @@ class StudyTable:
                 **compare_seeds([c["correct"] for c in a], [c["correct"] for c in b], **kw)}
 
 
+def subset(flag: str, given, planned) -> list:
+    """A driver's --seeds / --arms / --evals: the plan's items in the given order, or all of them (None). It only
+    orders or limits what one run does, never what a cell means; an item the plan does not list is refused."""
+    chosen = list(planned) if given is None else list(given)
+    stray = [x for x in chosen if x not in planned]
+    if stray:
+        raise StudyError(f"--{flag} {stray} not in the plan's {flag} {list(planned)}; --{flag} only orders or limits")
+    return chosen
+
+
 STUDY_BEGIN, STUDY_END = "<!-- study:begin -->", "<!-- study:end -->"
 
 
