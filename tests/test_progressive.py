@@ -397,6 +397,74 @@ def test_reinforce_leave_one_out_advantages():
     assert torch.allclose(logp.grad, -2.0 * adv / 3)
 
 
+class _Spy(torch.nn.Module):
+    """Wraps a model like DDP does (`.module`) and records the embeds_delta of every forward."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.module, self.deltas = inner, []
+
+    def forward(self, *args, **kwargs):
+        self.deltas.append(kwargs.get("embeds_delta"))
+        return self.module(*args, **kwargs)
+
+
+def test_sampled_reinforce_feeds_the_next_pass_a_sample_and_keeps_the_pool_teacher_forced():
+    """reinforce_sampled: pass 2 reads, at the positions pass 1 committed, the embedding of a token the model sampled
+    (never the mask token), and nothing changed elsewhere; the pool itself commits the ground truth only."""
+    inner = tiny_model(VOCAB, attention="bidirectional", family="masked", seed=9).train()
+    inner.spec = inner.spec.model_copy(update={"mask_token_id": MASK})
+    base = _objective(window=2, carry=False)
+    start = copy.deepcopy(base.pool)
+    base_loss, _, _ = base.loss(inner)
+    first = _objective(window=1, carry=False)  # pass 1 alone: its reveal set
+    first.loss(inner)
+    obj = _objective(window=2, carry=False, bridge="reinforce_sampled")
+    spy = _Spy(inner)
+    loss, _, metrics = obj.loss(spy)
+    assert metrics["passes"] == 2 and spy.deltas[0] is None
+    pool = obj.pool
+    assert torch.equal(pool.canvas[pool.revealed], pool.target[pool.revealed])  # teacher forced across windows
+    delta = spy.deltas[1]
+    width = delta.shape[1]
+    committed = (first.pool.revealed & ~start.revealed)[:, :width]
+    assert committed.any() and (pool.revealed[:, :width] | ~committed).all()  # pass 1's commits are the same
+    assert not (delta.abs().sum(-1) > 0)[~committed].any()  # nothing outside pass 1's commits
+    weight = inner.backbone.get_input_embeddings().weight.detach()
+    target = start.target[:, :width]
+    read = weight[target] + delta  # what pass 2 reads at each position
+    dist = torch.cdist(read[committed], weight)  # a sampled token's own embedding: distance 0 to its row
+    token = dist.argmin(-1)
+    assert torch.allclose(dist.min(-1).values, torch.zeros(len(token)), atol=1e-4)
+    assert (token != MASK).all() and (token != target[committed]).any()  # an untrained model's samples, not the truth
+    assert loss.item() != pytest.approx(base_loss.item(), rel=1e-6)  # so pass 2 computes something else
+
+
+def test_sampled_reinforce_score_has_no_drift_and_samples_the_model_distribution():
+    """E_a[grad log p(a)] = 0 when a ~ p (the mask token excluded): averaged over 4,000 draws it is ~0 (< 0.02 per
+    logit), where the score of a fixed token (the teacher-forced reading, `reinforce`) has mean 1 - p on that token.
+    The draws' frequencies match softmax without the mask token."""
+    from dlm.training.objectives.progressive import SampledReinforceBridge, gumbel_noise
+
+    bridge = SampledReinforceBridge(1.0)
+    logits = torch.tensor([[[2.0, 0.5, 3.0, -1.0, 1.0]]], requires_grad=True)  # token 2 (most likely) is the mask
+    weight, targets, n = torch.randn(5, 4), torch.tensor([[1]]), 4000
+    g = G().manual_seed(0)
+    grads, counts = torch.zeros(5), torch.zeros(5)
+    for _ in range(n):
+        logp, delta = bridge.from_logits(logits, gumbel_noise((1, 1, 5), g, "cpu"), weight, targets, mask_id=2)
+        (grad,) = torch.autograd.grad(logp.sum(), logits)
+        grads += grad[0, 0]
+        read = (weight[targets] + delta)[0, 0]  # the embedding the next pass reads
+        token = int((read - weight).abs().sum(-1).argmin())
+        counts[token] += 1
+    p = torch.softmax(torch.tensor([2.0, 0.5, float("-inf"), -1.0, 1.0]), -1)
+    assert counts[2] == 0 and torch.allclose(counts / n, p, atol=0.025)
+    assert grads.div(n).abs().max() < 0.02
+    fixed = torch.log_softmax(logits.detach().masked_fill(torch.arange(5) == 2, float("-inf")), -1)
+    assert 1 - fixed[0, 0, 1].exp() > 0.8  # the fixed token's score would have mean ~0.9 on its own logit
+
+
 def test_student_forcing_schedule_and_commits():
     assert student_forcing_ratio(500, k=100.0, floor=0.1, warmup=1000) == 1.0
     assert student_forcing_ratio(1000, k=100.0, floor=0.1, warmup=1000) == pytest.approx(100 / 101)

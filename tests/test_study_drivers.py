@@ -18,7 +18,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 PLANS = [ROOT / "benchmarks" / "plans" / f"{name}.yaml"  # the plans this driver runs
-         for name in ("pumba-table2", "block-long", "pumba-bridges", "pumba-ablations")]
+         for name in ("pumba-table2", "block-long", "pumba-bridges", "pumba-ablations", "pumba-reinforce")]
 
 
 @pytest.mark.parametrize("path", PLANS, ids=[p.stem for p in PLANS])
@@ -48,6 +48,27 @@ def test_table2_controls_match_the_windows_denoiser_passes(tmp_path):
             passes[arm] = r.train.steps * pumba_study.passes_per_update(r)
     assert passes["mdm2"] == passes["w2"] and passes["mdm4"] == passes["w4"] and passes["mdm8"] == passes["w8"]
     assert passes["mdm"] == passes["pu"] == passes["w1"] == passes["ar"] == 200
+
+
+def test_reinforce_plan_shares_its_reference_arms_with_pumba_bridges(tmp_path):
+    """pumba-reinforce's w2 and nobridge resolve to pumba-bridges' recipes (only the run name differs), and its
+    REINFORCE arms are that plan's W=2 recipe with the sampled estimator: what its doc says of them holds."""
+    import pumba_study
+
+    from dlm.config import dump_recipe
+
+    new, old = (Plan.load(ROOT / "benchmarks" / "plans" / f"{n}.yaml") for n in ("pumba-reinforce", "pumba-bridges"))
+
+    def resolved(plan, arm):
+        recipe = pumba_study.recipe_for(plan, arm, 2, tmp_path / "RUN")
+        return dump_recipe(recipe.model_copy(update={"name": "-"}))
+
+    for arm in ("w2", "nobridge"):
+        assert resolved(new, arm) == resolved(old, arm)
+    for arm, weight in (("reinforce-sampled", 1.0), ("reinforce-sampled-w0.1", 0.1)):
+        r = pumba_study.recipe_for(new, arm, 0, tmp_path / arm)
+        assert (r.progressive.bridge, r.progressive.reinforce_weight, r.progressive.carry, r.progressive.window) == (
+            "reinforce_sampled", weight, False, 2)
 
 
 def test_zeroed_carry_is_a_carry_less_model():

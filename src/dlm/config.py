@@ -155,9 +155,11 @@ class ProgressiveConfig(_Strict):
     pad_in_loss: bool = Field(False, description="padding after the first EOS is maskable and in the loss (TinyGSM "
                               "setting, §B.3) instead of attended and maskable but out of the loss (§B.4.1)")
     # Ablations
-    bridge: Literal["none", "gumbel", "straight_through", "reinforce"] = Field(
+    bridge: Literal["none", "gumbel", "straight_through", "reinforce", "reinforce_sampled"] = Field(
         "none",
-        description="discrete bridge through the committed tokens instead of a carry (Table 1; use with window 2)")
+        description="discrete bridge through the committed tokens instead of a carry (Table 1; use with window 2). "
+                    "reinforce scores the teacher-forced commits (diverges, kept for the runs that used it); "
+                    "reinforce_sampled commits a sample of the model inside the window and scores it")
     gumbel_temperature: float = Field(1.0, gt=0)
     reinforce_weight: float = Field(1.0, gt=0)
     student_forcing_k: float | None = Field(None, gt=0, description="scheduled sampling (App. C.3): commit the ground "
