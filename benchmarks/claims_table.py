@@ -365,6 +365,8 @@ def plan_progress(results: Path, plans: Path) -> list[dict]:
         # one training per model: an arm that evaluates another arm's weights (e.g. its carry zeroed) repeats them
         trained: dict = {}
         for c in cells:
+            if isinstance(c.get("copied_from"), dict):  # taken over from another plan's table (--reuse): ran there
+                continue
             key = c.get("model") or (c["arm"], c["seed"])
             trained[key] = max(trained.get(key, 0), c.get("train_seconds") or 0)
         evaluated = sum(c.get("ms_per_problem", 0) * c["n"] / 1000 for c in cells if "copied_from" not in c)

@@ -10,7 +10,9 @@ table (--json, default docs/results/<plan>.json): per-problem outcomes, NFE, tra
 passes and the model's fingerprint. The table refuses cells from a changed plan and starts (warm start, AR parent)
 whose weights differ from the pinned ones, so a study spans sessions: rebuild the starts with the plan's commands,
 rerun the same command, and it continues where the committed table stopped. Nothing on the command line changes what
-a cell means: updates, learning rates, problems and decoding all come from the plan.
+a cell means: updates, learning rates, problems and decoding all come from the plan. --reuse names other plans'
+tables whose cells are the same training runs (same resolved recipe, start weights, seed, problems and decoding):
+those cells are taken over, marked copied_from, instead of trained and evaluated again.
 
 Plan settings read here:
   starts:     {name: {path, commands}}: saved models arms start from or evaluate; each is fingerprinted and pinned
@@ -205,9 +207,14 @@ def decode_signature(plan, model_dir: Path, key: str, problems: str, zero_carry:
     key)."""
     from dlm.modeling.spec import ModelSpec
 
+    family = ModelSpec.load(model_dir).family if ModelSpec.exists(model_dir) else "autoregressive"
+    return signature(plan, family, key, problems, zero_carry)
+
+
+def signature(plan, family: str, key: str, problems: str, zero_carry: bool) -> str:
+    """`decode_signature` for a model of this family."""
     name, value, _ = parse_eval(key, plan.source)
     s = plan.settings
-    family = ModelSpec.load(model_dir).family if ModelSpec.exists(model_dir) else "autoregressive"
     if family == "autoregressive":
         return f"ar/problems={problems}/max={s.get('ar_max_new_tokens', 96)}"
     block = f"/block={s.get('block_size', 32)}" if name == "tau" else ""
@@ -230,8 +237,85 @@ def check_arm(plan, table, arm: str, recipes: dict) -> str | None:
     return digest
 
 
+# ---- cells another plan already has -----------------------------------------------------------------------------
+EVAL_SETTINGS = ("data", "n", "eval_batch_size")  # the rest of what decodes a cell is in its decode signature
+
+
+def neutral_recipe(plan, arm: str) -> str:
+    """An arm's resolved recipe with what names it (the run name, built from the plan's name) left out: two plans'
+    arms that resolve to the same text are the same training run in a given seed."""
+    from dlm.config import dump_recipe
+
+    recipe = recipe_for(plan, arm, 0, Path("RUN"))
+    return dump_recipe(recipe.model_copy(update={"name": "-"}))
+
+
+class Donors:
+    """Study tables of other plans (--reuse) whose cells stand for this plan's: a cell is taken over when the donor
+    arm resolves to the same recipe (`neutral_recipe`; and the donor's recipe files are unchanged since its cells,
+    its recipe digest still matching), starts from a start with the same pinned weights, and was evaluated in the
+    same seed, on the same problems, under the same evaluation key and settings. Such a cell is what training and
+    evaluating the arm again would give (the earlier sessions' copies of run directories, without the files)."""
+
+    def __init__(self, plan, table, paths):
+        from dlm.evaluation.study import Plan, StudyError, StudyTable
+
+        self.plan, self.table, self.tables = plan, table, []
+        for path in paths or []:
+            path = Path(path)
+            try:
+                raw = json.loads(path.read_text())
+            except (OSError, json.JSONDecodeError) as e:
+                raise StudyError(f"{path}: --reuse needs a study table ({e})") from None
+            if not isinstance(raw, dict) or "plan" not in raw:
+                raise StudyError(f"{path}: --reuse needs a study table (no 'plan' in it)")
+            p = raw["plan"]
+            donor_plan = Plan(p["name"], tuple(p["arms"]), tuple(p["seeds"]), tuple(p["evals"]), p["settings"],
+                              str(path))
+            if donor_plan.name == plan.name:
+                raise StudyError(f"{path}: --reuse takes other plans' tables, not this plan's own")
+            self.tables.append((donor_plan, StudyTable(path, donor_plan)))
+        self._arms: dict = {}
+
+    def _donor_arms(self, arm: str) -> list:
+        """(donor plan, donor table, donor arm) that are the same training run as `arm`."""
+        if arm not in self._arms:
+            found, spec = [], self.plan.settings["arm_specs"][arm]
+            if "recipe" in spec:
+                mine = neutral_recipe(self.plan, arm)
+                for donor_plan, donor in self.tables:
+                    if any(donor_plan.settings.get(k) != self.plan.settings.get(k) for k in EVAL_SETTINGS):
+                        continue
+                    for d, dspec in donor_plan.settings.get("arm_specs", {}).items():
+                        if "recipe" not in dspec or dspec.get("updates") != spec["updates"]:
+                            continue
+                        if donor.pins.get(dspec["init"]) != self.table.pins.get(spec["init"]):
+                            continue  # another start's weights
+                        if neutral_recipe(donor_plan, d) != mine:
+                            continue
+                        digest = recipe_digest(donor_plan, d)
+                        if any(c.get("recipe") != digest for c in donor.cells if c["arm"] == d):
+                            continue  # the donor's recipe files changed since its cells
+                        found.append((donor_plan, donor, d))
+            self._arms[arm] = found
+        return self._arms[arm]
+
+    def cell(self, arm: str, seed: int, key: str, problems: str) -> tuple[dict, str] | None:
+        """The donor cell for (arm, seed, key) and the table it came from, or None."""
+        for donor_plan, donor, d in self._donor_arms(arm):
+            c = donor.cell(d, seed, key)
+            if c is None or c["problems"] != problems:
+                continue
+            objective = recipe_for(self.plan, arm, seed, Path("RUN")).train.objective
+            family = "autoregressive" if objective == "autoregressive" else "masked"
+            if c.get("decode") == signature(self.plan, family, key, problems, False):  # same decoding settings
+                return c, donor_plan.name
+        return None
+
+
 # ---- the driver -------------------------------------------------------------------------------------------------
-def run(plan_path, json_path=None, runs=None, seeds=None, max_minutes=None, arms=None, evals=None) -> dict:
+def run(plan_path, json_path=None, runs=None, seeds=None, max_minutes=None, arms=None, evals=None,
+        reuse=None) -> dict:
     """Carry out a plan (see the module docstring); returns {'cells': added, 'stopped': bool, 'waiting': [...]}."""
     from dlm.evaluation.study import Plan, StudyError, StudyTable, fingerprint, problems_digest, subset
     from dlm.modeling.backbone import resolve_model_dir
@@ -252,6 +336,7 @@ def run(plan_path, json_path=None, runs=None, seeds=None, max_minutes=None, arms
             raise StudyError(f"{path}: start '{name}' not found; build it with the commands under settings.starts."
                              f"{name} in {plan.source}")
         table.pin(name, fingerprint(resolve_model_dir(path)))
+    donors = Donors(plan, table, reuse)
     added, waiting, recipes = 0, [], {}
     for seed in order:
         for arm in arm_order:
@@ -271,6 +356,19 @@ def run(plan_path, json_path=None, runs=None, seeds=None, max_minutes=None, arms
                                      f"the {key} cells were scored ({earlier['problems']} then, {problems} now); "
                                      "regenerate the data as the plan's starts did, or start a new plan")
                 recipe = check_arm(plan, table, arm, recipes)
+                donated = donors.cell(arm, seed, key, problems)
+                if donated is not None:  # another plan ran this very cell: take it over, train nothing
+                    c, source = donated
+                    result = {"samples": [{"correct": x} for x in c["correct"]],
+                              **{k: c[k] for k in ("mean_nfe", "ms_per_problem") if k in c}}
+                    kept = ("train_seconds", "updates", "passes", "model", "decode")
+                    extra = {**{k: c[k] for k in kept if k in c}, **({"recipe": recipe} if recipe else {}),
+                             "copied_from": {"table": source, "arm": c["arm"], "seed": c["seed"], "eval": c["eval"]}}
+                    cell = table.add(arm, seed, key, result, problems=problems, **extra)
+                    added += 1
+                    print(f"seed {seed} {arm:14s} {key:14s} accuracy {100 * cell['accuracy']:5.1f} % (from "
+                          f"{source}'s {c['arm']})", flush=True)
+                    continue
                 model_dir, record = trained_model(plan, arm, seed, runs)
                 zero = bool(specs[arm].get("zero_carry"))
                 weights = fingerprint(model_dir)
@@ -317,13 +415,16 @@ def main(argv=None, description: str = __doc__, default_plan: str = "benchmarks/
                     "arm (a limit or an order only: e.g. the evaluation the comparisons read, in every arm, first)")
     ap.add_argument("--max-minutes", type=float, help="stop after the cell (with the training it needed) that "
                     "crosses this many minutes; the table keeps every finished cell")
+    ap.add_argument("--reuse", help="comma-separated study tables of other plans: a missing cell that one of them "
+                    "has for the same training run (same resolved recipe, start weights, seed, problems and "
+                    "evaluation) is taken over instead of trained and evaluated again, marked copied_from")
     args = ap.parse_args(argv)
     from dlm.errors import DlmError
 
     try:
         run(args.plan, args.json, args.runs, [int(x) for x in args.seeds.split(",")] if args.seeds else None,
             args.max_minutes, args.arms.split(",") if args.arms else None,
-            args.evals.split(",") if args.evals else None)
+            args.evals.split(",") if args.evals else None, args.reuse.split(",") if args.reuse else None)
     except DlmError as e:
         sys.exit(f"error: {e}")
 

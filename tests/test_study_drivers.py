@@ -153,6 +153,31 @@ def test_pumba_study_smoke_run_resumes_and_refuses_a_changed_plan(tmp_path, monk
     assert table.cell("w1", 0, "u=4/unseen")["problems"] == cell["problems"]  # the same problems (a copy)
     assert pumba_study.run(plan, table_path, runs)["cells"] == 0  # nothing redone
 
+    # --reuse: another plan whose arms are the same training runs takes the cells over (train is still patched to
+    # fail); an arm with another recipe, or a table pinned to another start, is given nothing
+    other = yaml.safe_load(plan.read_text())
+    other["name"] = "smoke-b"
+    other["settings"]["arm_specs"]["mdm-lr"] = {**other["settings"]["arm_specs"]["mdm"], "set": ["optim.lr=1.0e-4"]}
+    other["arms"] = ["mdm", "w1", "mdm-lr"]
+    other_path = tmp_path / "smoke-b.yaml"
+    other_path.write_text(yaml.safe_dump(other))
+    reused = pumba_study.run(other_path, tmp_path / "smoke-b.json", runs, arms=["mdm", "w1"], reuse=[table_path])
+    assert reused["cells"] == 4
+    b = StudyTable(tmp_path / "smoke-b.json", Plan.load(other_path))
+    for arm, key in [("mdm", "u=4"), ("w1", "u=4"), ("w1", "u=4/unseen")]:
+        mine, theirs = b.cell(arm, 0, key), table.cell(arm, 0, key)
+        assert mine["correct"] == theirs["correct"] and mine["model"] == theirs["model"]
+        assert mine["copied_from"] == {"table": "smoke", "arm": arm, "seed": 0, "eval": key}
+        assert mine["recipe"] != theirs["recipe"]  # each table keeps its own digest (the run names differ)
+    donors = pumba_study.Donors(Plan.load(other_path), b, [table_path])
+    assert donors.cell("mdm", 0, "u=4", cell["problems"]) is not None
+    assert donors.cell("mdm-lr", 0, "u=4", cell["problems"]) is None  # another learning rate: another run
+    assert donors.cell("mdm", 0, "u=4", "another-digest") is None  # other problems
+    b.pins["warm_start"] = "0" * 16
+    assert pumba_study.Donors(Plan.load(other_path), b, [table_path]).cell("mdm", 0, "u=4", cell["problems"]) is None
+    with pytest.raises(StudyError, match="not this plan's own"):
+        pumba_study.Donors(Plan.load(plan), table, [table_path])
+
     data_json = json.loads(table_path.read_text())  # drop one cell, then change the split under it
     data_json["cells"] = [c for c in data_json["cells"] if (c["arm"], c["eval"]) != ("w1", "u=4/unseen")]
     table_path.write_text(json.dumps(data_json))
