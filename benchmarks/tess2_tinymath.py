@@ -192,9 +192,11 @@ class Study:
     reward_model names a trained model}}, reward_scorer (a trained reward model scoring every simplex cell's outputs),
     guidance_baseline (the η = 0 arm), comparisons [[arm a, arm b], ...]."""
 
-    def __init__(self, plan: Plan, table: StudyTable, deadline: float | None = None, train_fn=None, seeds=None):
+    def __init__(self, plan: Plan, table: StudyTable, deadline: float | None = None, train_fn=None, seeds=None,
+                 arms=None):
         self.plan, self.table, self.s, self.deadline = plan, table, plan.settings, deadline
-        self.seeds = subset("seeds", seeds, plan.seeds)  # --seeds: e.g. one driver per core, each its own seeds
+        self.seeds = subset("seeds", seeds, plan.seeds)  # --seeds / --arms: e.g. one driver per core
+        self.arms = subset("arms", arms, plan.arms)
         self.train_fn = train_fn or _train
         self.models: dict[tuple[str, int], Path] = {}
         self.records: dict[str, list[dict] | None] = {}
@@ -246,11 +248,12 @@ class Study:
         return self.records[key]
 
     def run(self) -> int:
-        """Evaluate every missing cell of this run's seeds (seed-major, in --seeds' order); returns how many were
-        added."""
+        """Evaluate every missing cell of this run's seeds and arms (seed-major, in --seeds' and --arms' order);
+        returns how many were added."""
         added, loaded = 0, {}
-        missing = list(self.table.missing())
-        for arm, seed, key in [m for seed in self.seeds for m in missing if m[1] == seed]:
+        missing = set(self.table.missing())
+        for arm, seed, key in [(a, s, k) for s in self.seeds for a in self.arms for k in self.plan.evals
+                               if (a, s, k) in missing]:
             if arm not in self.plan.planned_arms(key):
                 continue
             if self.out_of_time():
@@ -511,6 +514,8 @@ def main(argv=None) -> None:
     ap.add_argument("--max-minutes", type=float, help="study: stop (resumably) after this wall time")
     ap.add_argument("--seeds", help="study: comma-separated subset of the plan's seeds, run in this order (a limit or "
                     "an order only, e.g. one driver per core; the table always holds the plan's seeds)")
+    ap.add_argument("--arms", help="study: comma-separated subset of the plan's arms, run in this order within each "
+                    "seed (a limit or an order only, like --seeds)")
     ap.add_argument("--doc", help="report: the results doc whose study markers are rewritten")
     ap.add_argument("--plot", help="report: the plot (default: the doc's name with .png)")
     args = ap.parse_args(argv)
@@ -529,7 +534,8 @@ def run_section(args) -> None:
         if args.section == "study":
             deadline = time.time() + 60 * args.max_minutes if args.max_minutes else None
             seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else None
-            added = Study(plan, table, deadline, seeds=seeds).run()
+            arms = args.arms.split(",") if args.arms else None
+            added = Study(plan, table, deadline, seeds=seeds, arms=arms).run()
             left = sum(arm in plan.planned_arms(key) for arm, _, key in table.missing())
             print(f"{added} cells added; {left} planned cells missing", flush=True)
             return

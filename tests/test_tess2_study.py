@@ -127,6 +127,10 @@ def test_seeds_limits_a_run_to_its_seeds_and_refuses_one_not_planned(study, caps
         tess2_tinymath.main([*cli, "--seeds", "1,3"])
     assert "--seeds [3] not in the plan's seeds [0, 1]" in str(e.value)
     assert len(json.loads(table.read_text())["cells"]) == 7  # nothing added by the refused run
+    tess2_tinymath.main([*cli, "--seeds", "0", "--arms", "top-p,ar"])  # --arms: these arms only, in this order
+    added = json.loads(table.read_text())["cells"][7:]
+    assert [(c["arm"], c["seed"], c["eval"]) for c in added] == [("top-p", 0, "test"), ("ar", 0, "test"),
+                                                                 ("ar", 0, "unseen")]
 
 
 def test_report_regenerates_only_the_marked_part(study):
