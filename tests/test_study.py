@@ -42,6 +42,14 @@ def test_bad_plans_are_refused_naming_the_file_and_field(tmp_path, text, words):
     assert all(w in msg for w in words)
 
 
+def test_missing_lists_only_the_arms_an_evaluation_is_planned_for(tmp_path):
+    plan = _plan(tmp_path, PLAN.replace("settings: {steps: 200, n: 4}",
+                                        "settings: {n: 4, eval_arms: {u=2/unseen: [w2]}}"))
+    t = StudyTable(tmp_path / "t.json", plan)
+    assert list(t.missing())[:3] == [("mdm", 0, "u=2"), ("w2", 0, "u=2"), ("w2", 0, "u=2/unseen")]
+    assert len(list(t.missing())) == 3 * 3 and ("mdm", 1, "u=2/unseen") not in set(t.missing())
+
+
 def test_table_resumes_refuses_other_plans_and_unplanned_cells(tmp_path):
     plan = _plan(tmp_path)
     path = tmp_path / "t.json"

@@ -212,11 +212,12 @@ class StudyTable:
         return next((c for c in self.cells if c["arm"] == arm and c["seed"] == seed and c["eval"] == key), None)
 
     def missing(self, arms=None) -> Iterator[tuple[str, int, str]]:
-        """Cells still to run, seed-major (every arm of seed 0 first), so a study stopped early has whole seeds."""
+        """Planned cells still to run (an evaluation covers its `planned_arms` only), seed-major (every arm of seed
+        0 first), so a study stopped early has whole seeds."""
         for seed in self.plan.seeds:
             for arm in arms or self.plan.arms:
                 for key in self.plan.evals:
-                    if not self.has(arm, seed, key):
+                    if arm in self.plan.planned_arms(key) and not self.has(arm, seed, key):
                         yield arm, seed, key
 
     def complete_seeds(self, arms, key: str) -> list[int]:
