@@ -236,6 +236,7 @@ def study_evidence(ref: dict, results: Path, plans: Path, where: str) -> dict:
     table = StudyTable(table_path, plan)
     seeds = [s for s in plan.seeds if table.has(ref["arm_a"], s, ref["eval"]) and table.has(ref["arm_b"], s, key_b)]
     out["done"] = len(seeds)
+    out["frozen"] = len(seeds) < planned and bool(lost_starts(plan, table, plans))
     if seeds:
         try:
             out["result"] = table.compare(ref["arm_a"], ref["arm_b"], ref["eval"], key_b)
@@ -310,7 +311,8 @@ def build_rows(data: dict, results: Path, plans: Path) -> list[dict]:
         if st is not None:
             ref = ev["study"]
             plan_link = f"[{ref['plan']}]({st['link']})" if st["link"] else ref["plan"]
-            status = f"plan {plan_link}: {st['done']}/{st['planned']} seeds"
+            status = f"plan {plan_link}: {st['done']}/{st['planned']} seeds" + (
+                " (frozen: its pinned starts are lost)" if st.get("frozen") else "")
         if st is not None and st["result"] is not None:
             r = st["result"]
             label_a = ref["arm_a"] + (f" {ref['eval']}" if ref.get("eval_b") else "")
@@ -321,7 +323,7 @@ def build_rows(data: dict, results: Path, plans: Path) -> list[dict]:
                 dlm_number=f"{label_a} {_pct(r['accuracy_a'], r['sd_a'])} vs {label_b} "
                            f"{_pct(r['accuracy_b'], r['sd_b'])} % ({100 * r['difference']:+.1f})"
                            + ("" if ref.get("eval_b") else f", {ref['eval']}"),
-                n=str(r["n"]), seeds=f"{st['done']}/{st['planned']}",
+                n=str(r["n"]), seeds=f"{st['done']}/{st['planned']}" + (" (frozen)" if st.get("frozen") else ""),
                 ci=f"[{100 * r['low']:+.1f}, {100 * r['high']:+.1f}], p = {r['p_value']:#.2g}",
                 verdict_text=" · ".join([v, *extra]), link=plan_link, kind=v,
                 note="; ".join(x for x in (
@@ -329,7 +331,10 @@ def build_rows(data: dict, results: Path, plans: Path) -> list[dict]:
                     if ref["expect"] == "not_lower" else None,
                     " ".join(ref["note"].split()).rstrip(".") if ref.get("note") else None,
                     f"earlier one-seed measurement ({ev['legacy']['doc']}): {ev['legacy']['number']}"
-                    if "legacy" in ev else None) if x) or None)
+                    if "legacy" in ev else None,
+                    f"frozen at {st['done']} of {st['planned']} seeds: the starts {ref['plan']}'s table pins were lost "
+                    "with a session's runs/ and rebuild to other bits elsewhere" if st.get("frozen") else None) if x)
+                    or None)
         elif "legacy" in ev:
             leg = ev["legacy"]
             row.update(dlm_number=leg["number"], n=str(leg["n"]), seeds=str(leg["seeds"]), ci=leg.get("ci") or "—",
@@ -338,7 +343,8 @@ def build_rows(data: dict, results: Path, plans: Path) -> list[dict]:
                        study=status if st is not None else None)
         elif st is not None:
             row.update(dlm_number="—", n="—", seeds=f"0/{st['planned']}", ci="—", kind="not run",
-                       verdict_text=f"not run (plan {ref['plan']}, {st['done']}/{st['planned']} seeds)",
+                       verdict_text=f"not run (plan {ref['plan']}, {st['done']}/{st['planned']} seeds"
+                       + ("; frozen: its pinned starts are lost)" if st.get("frozen") else ")"),
                        link=plan_link)
         else:
             row.update(dlm_number="—", n="—", seeds="—", ci="—", verdict_text="not run", link="—", kind="not run",
@@ -371,12 +377,32 @@ def plan_progress(results: Path, plans: Path) -> list[dict]:
             trained[key] = max(trained.get(key, 0), c.get("train_seconds") or 0)
         evaluated = sum(c.get("ms_per_problem", 0) * c["n"] / 1000 for c in cells if "copied_from" not in c)
         to_go, unmeasured = _time_to_go(plan, table)
+        missing = sum(len(keys[a]) for a, _ in pairs) - len(cells)
+        lost = lost_starts(plan, table, plans) if missing else []
         out.append({"plan": plan.name, "source": path, "table": table_path if table else None,
-                    "to_go": to_go / 3600, "unmeasured": unmeasured,
+                    "to_go": to_go / 3600, "unmeasured": unmeasured, "lost": lost,
                     "cells": len(cells), "planned": sum(len(keys[a]) for a, _ in pairs), "pairs": len(pairs),
                     "complete": complete, "full": full, "arms": plan.arms, "seeds": plan.seeds,
                     "hours": (sum(trained.values()) + evaluated) / 3600})
     return out
+
+
+def lost_starts(plan: Plan, table: StudyTable | None, plans: Path) -> list[str]:
+    """The shared models a plan's table pins whose weights are not kept in the repository
+    (benchmarks/starts/starts.json beside `plans`): rebuilt elsewhere they differ, so its missing cells cannot run."""
+    manifest = plans.parent / "starts" / "starts.json"
+    saved = {e["fingerprint"] for e in json.loads(manifest.read_text()).values()} if manifest.is_file() else set()
+    return [n for n in _shared_starts(plan) if table is not None and n in table.pins and table.pins[n] not in saved]
+
+
+def _shared_starts(plan: Plan) -> list[str]:
+    """The pinned models a plan's missing cells build on and cannot retrain bit for bit: the starts of a PUMBA plan
+    (settings.starts), the models a TESS 2 plan trains once for every seed (settings.train entries without a
+    per-seed `seed: study`)."""
+    s = plan.settings
+    if s.get("starts"):
+        return list(s["starts"])
+    return [n for n, e in (s.get("train") or {}).items() if e.get("seed") != "study"]
 
 
 def _time_to_go(plan: Plan, table: StudyTable | None) -> tuple[float, list[str]]:
@@ -440,6 +466,9 @@ def render_progress(progress: list[dict]) -> list[str]:
 
 
 def _to_go_text(p: dict) -> str:
+    if p.get("lost"):
+        return (f"frozen: its pinned {', '.join(p['lost'])} weights are lost (not in benchmarks/starts/); the "
+                "missing cells cannot run against them")
     if not p["unmeasured"]:
         return f"{p['to_go']:.1f}"
     if p["cells"] == 0:

@@ -245,3 +245,26 @@ def test_time_to_go_charges_each_missing_cell_its_arms_measured_time(tmp_path):
     seconds, unmeasured = claims_table._time_to_go(plan, table)
     assert unmeasured == ["slightly"]  # no training of its own to go on (worse's record is slightly's weights)
     assert seconds == pytest.approx(3 * 100 + 100 + 80)  # its e cells at the median over arms; worse seed 2; better
+
+
+def test_a_plan_whose_pinned_start_is_not_kept_is_frozen(tmp_path):
+    """A table pinning a start whose weights are not in benchmarks/starts/starts.json (beside the plans) cannot be
+    continued: its progress row and its claims with seeds missing say so; once the start is kept, they do not."""
+    import json
+
+    plan = PLAN.replace("settings: {", "settings: {starts: {warm: {path: runs/w, commands: [x]}}, ")
+    plans, results, table = _study(tmp_path, plan)
+    table.pin("warm", "abc")
+    table.cells = [c for c in table.cells if c["seed"] != 2]  # seed 2 still to run
+    table._write()
+    claims = tmp_path / "claims.yaml"
+    claims.write_text("claims:\n" + _claim("c1", "study: {plan: toy, arm_a: better, arm_b: b, eval: e}"))
+    data = claims_table.load_claims(claims)
+    row = claims_table.build_rows(data, results, plans)[0]
+    assert row["seeds"] == "2/3 (frozen)" and "frozen at 2 of 3 seeds" in row["note"]
+    toy = {p["plan"]: p for p in claims_table.plan_progress(results, plans)}["toy"]
+    assert toy["lost"] == ["warm"] and claims_table._to_go_text(toy).startswith("frozen: its pinned warm weights")
+    (tmp_path / "starts").mkdir()
+    (tmp_path / "starts" / "starts.json").write_text(json.dumps({"w": {"path": "runs/w", "fingerprint": "abc"}}))
+    assert claims_table.build_rows(data, results, plans)[0]["seeds"] == "2/3"
+    assert {p["plan"]: p for p in claims_table.plan_progress(results, plans)}["toy"]["lost"] == []
