@@ -18,7 +18,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 PLANS = [ROOT / "benchmarks" / "plans" / f"{name}.yaml"  # the plans this driver runs
-         for name in ("pumba-table2", "block-long", "pumba-bridges", "pumba-ablations", "pumba-reinforce")]
+         for name in ("pumba-table2", "block-long", "pumba-bridges", "pumba-ablations", "pumba-reinforce",
+                      "pumba-table2-w8")]
 
 
 @pytest.mark.parametrize("path", PLANS, ids=[p.stem for p in PLANS])
