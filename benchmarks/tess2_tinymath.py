@@ -234,9 +234,35 @@ class Study:
             if not _complete(run, recipe.train.steps):
                 raise OutOfTime  # stopped by --max-minutes: resumes from its checkpoint next time
         model_dir = run / "model"
-        self.table.pin(name if not per_seed else f"{name}/seed{seed}", fingerprint(model_dir))
+        pin, weights = (name if not per_seed else f"{name}/seed{seed}"), fingerprint(model_dir)
+        old = self.table.pins.get(pin)
+        if old is not None and old != weights and not self.used(name, seed if per_seed else None):
+            print(f"{pin}: trained again ({weights}; {old} was pinned, but no cell used it), pinned anew", flush=True)
+            self.table.unpin(pin)
+        self.table.pin(pin, weights)
         self.models[key] = model_dir
         return model_dir
+
+    def used(self, name: str, seed: int | None) -> bool:
+        """Whether a cell (of `seed`, or of any seed) rests on the trained model `name`: its arm's model, reward model
+        or the plan's reward scorer is `name` or was trained from it (init_from, transitively)."""
+        train = self.s["train"]
+
+        def chain(model: str) -> set[str]:
+            out = set()
+            while model and model not in out:
+                out.add(model)
+                model = train.get(model, {}).get("init_from")
+            return out
+
+        for c in self.table.cells:
+            if seed is not None and c["seed"] != seed:
+                continue
+            spec = self.s["arm_settings"].get(c["arm"], {})
+            roots = [spec.get("model"), spec.get("reward_model"), self.s.get("reward_scorer")]
+            if any(name in chain(r) for r in roots if r):
+                return True
+        return False
 
     def problems(self, key: str) -> list[dict] | None:
         if key not in self.records:

@@ -133,6 +133,28 @@ def test_seeds_limits_a_run_to_its_seeds_and_refuses_one_not_planned(study, caps
                                                                  ("ar", 0, "unseen")]
 
 
+def test_a_pin_no_cell_used_is_replaced_when_the_model_is_trained_again(study):
+    """A per-seed model pinned in a session that ended before any of its cells (and retrained to other bits in the
+    next) is pinned anew; a pin that cells rest on still refuses other weights."""
+    import tess2_tinymath
+
+    data = json.loads(study["table"].read_text())
+    table = study["tmp"] / "repin.json"
+    data["cells"] = [c for c in data["cells"] if c["seed"] == 0]
+    real = data["pins"]["sft/seed1"]
+    data["pins"]["sft/seed1"] = "0" * 16  # what the lost session's sft seed 1 was
+    table.write_text(json.dumps(data))
+    cli = ["study", "--plan", str(study["plan"]), "--json", str(table)]
+    tess2_tinymath.main([*cli, "--seeds", "1"])
+    after = json.loads(table.read_text())
+    assert after["pins"]["sft/seed1"] == real and {c["seed"] for c in after["cells"]} == {0, 1}
+    after["pins"]["sft/seed0"] = "0" * 16  # seed 0's cells rest on it: refused
+    after["cells"] = [c for c in after["cells"] if not (c["seed"] == 0 and c["arm"] == "top-p")]
+    table.write_text(json.dumps(after))
+    with pytest.raises(SystemExit, match="pinned sft/seed0"):
+        tess2_tinymath.main([*cli, "--seeds", "0"])
+
+
 def test_report_regenerates_only_the_marked_part(study):
     import tess2_tinymath
 

@@ -149,6 +149,13 @@ class StudyTable:
             self.pins[name] = value
             self._write()
 
+    def unpin(self, name: str) -> None:
+        """Drop a pin that no cell depends on (the caller checks that): e.g. a model pinned when it was trained, in
+        a session that ended before any cell used it, and trained again in a later one."""
+        with self._locked():
+            self.pins.pop(name, None)
+            self._write()
+
     def add(self, arm: str, seed: int, key: str, result: Mapping, *, problems: str, **extra) -> dict:
         """Store one evaluation (a `dlm.evaluation.tasks.evaluate` result with its per-problem `samples`)."""
         self._check(arm, seed, key)
