@@ -80,6 +80,8 @@ def save(run: str | Path, store: Path = STORE, root: Path = ROOT) -> dict:
     directory, data = _data_dir(absolute)
     if directory is not None:
         d = directory if directory.is_absolute() else root / directory
+        if d.resolve().is_relative_to(root.resolve()):
+            directory = d.resolve().relative_to(root.resolve())  # the manifest holds no machine's absolute paths
         entry["data"] = {"dir": str(directory), **{f: _sha(d / f) for f in DATA_FILES if (d / f).is_file()}}
     manifest = _manifest(store)
     manifest[name] = entry

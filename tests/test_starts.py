@@ -39,6 +39,7 @@ def test_save_then_restore_brings_back_the_same_weights_and_data(trained):
     entry = starts.save(Path("runs") / "tiny-ar", store=store, root=root)
     assert entry["fingerprint"] == fingerprint(run / "model")
     assert set(entry["data"]) == {"dir", "train.jsonl", "validation.jsonl", "test.jsonl", "test_unseen.jsonl"}
+    assert entry["data"]["dir"] == "runs/tiny-ar/data"  # relative to the repository, though the recipe's is absolute
     assert not (store / "tiny-ar" / "data").exists()  # data are regenerated, not stored
     want = {f: (run / "data" / f).read_bytes() for f in ("test.jsonl", "test_unseen.jsonl")}
     shutil.rmtree(run)
