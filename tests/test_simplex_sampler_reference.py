@@ -105,7 +105,10 @@ def sample(m, prompts, steps, seed, monkeypatch, eos_id=1, **kw):
     return out, seen
 
 
-def assert_matches(out, seen, ref, tol=1e-4):
+def assert_matches(out, seen, ref, tol=1e-3):
+    """The batched sampler against the row-by-row reference. Batched and one-row passes round differently (padding,
+    and the GEMM kernels the CPU picks): on one machine kind the logits differ by up to 2.7e-4 after 6 steps
+    (2026-12-02; under 1e-4 on others). A wrong mask, timestep or self-conditioning input moves them by units."""
     tokens, nfe, trace, logits = ref
     assert out.nfe == nfe and all(type(n) is int for n in out.nfe)  # ints, as JSON results record them
     assert len(out.trace) == len(trace) == len(seen)
