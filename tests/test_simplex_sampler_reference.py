@@ -105,10 +105,12 @@ def sample(m, prompts, steps, seed, monkeypatch, eos_id=1, **kw):
     return out, seen
 
 
-def assert_matches(out, seen, ref, tol=1e-3):
+def assert_matches(out, seen, ref, tol=1e-3, logit_tol=1e-2):
     """The batched sampler against the row-by-row reference. Batched and one-row passes round differently (padding,
-    and the GEMM kernels the CPU picks): on one machine kind the logits differ by up to 2.7e-4 after 6 steps
-    (2026-12-02; under 1e-4 on others). A wrong mask, timestep or self-conditioning input moves them by units."""
+    and the GEMM kernels the CPU picks), and self-conditioning feeds each step's logits (|x| ~ 10 here) into the
+    next, so the difference grows ~3x a step: on one machine kind 7e-6 at step 1 and 4e-3 at step 6 (2026-12-02;
+    under 1e-4 on others). Tokens must still match exactly; a wrong mask, timestep or self-conditioning input moves
+    the logits by units."""
     tokens, nfe, trace, logits = ref
     assert out.nfe == nfe and all(type(n) is int for n in out.nfe)  # ints, as JSON results record them
     assert len(out.trace) == len(trace) == len(seen)
@@ -116,7 +118,7 @@ def assert_matches(out, seen, ref, tol=1e-3):
         assert a["timestep"] == b["timestep"]
         assert torch.equal(a["tokens"], b["tokens"]), step
         torch.testing.assert_close(a["confidence"], b["confidence"], rtol=tol, atol=tol)
-        torch.testing.assert_close(seen[step], logits[step], rtol=tol, atol=tol)
+        torch.testing.assert_close(seen[step], logits[step], rtol=tol, atol=logit_tol)
     assert out.tokens == tokens
 
 
