@@ -108,6 +108,9 @@ def restore(store: Path = STORE, root: Path = ROOT, names=None) -> list[str]:
         if (run / "model").is_dir() and fingerprint(run / "model") == entry["fingerprint"]:
             pass  # already there
         else:
+            if not any((store / name / "model").glob("*.safetensors")):
+                raise DlmError(f"{store / name / 'model'}: no weights here (git does not track *.safetensors); copy "
+                               f"them from the machine that saved {name} (fingerprint {entry['fingerprint']})")
             if (run / "model").exists():
                 raise DlmError(f"{run}: holds another model than the saved start {name} "
                                f"({fingerprint(run / 'model')} vs {entry['fingerprint']}); move it away first")
