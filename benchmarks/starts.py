@@ -1,4 +1,5 @@
-"""The studies' pinned starts, saved beside the repository (issue 17; git tracks the manifest, not the weights): the AR parent and warm starts that the
+"""The studies' pinned starts, saved beside the repository (issue 17;
+git tracks the manifest, not the weights): the AR parent and warm starts that the
 pre-registered plans continue, so that a plan spans sessions and machines.
 
 A plan's table pins the weights of every start its arms continue (`dlm.evaluation.study.fingerprint`). runs/ does
