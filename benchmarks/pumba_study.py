@@ -276,6 +276,7 @@ class Donors:
                 raise StudyError(f"{path}: --reuse takes other plans' tables, not this plan's own")
             self.tables.append((donor_plan, StudyTable(path, donor_plan)))
         self._arms: dict = {}
+        self._family: dict = {}
 
     def _donor_arms(self, arm: str) -> list:
         """(donor plan, donor table, donor arm) that are the same training run as `arm`."""
@@ -306,8 +307,10 @@ class Donors:
             c = donor.cell(d, seed, key)
             if c is None or c["problems"] != problems:
                 continue
-            objective = recipe_for(self.plan, arm, seed, Path("RUN")).train.objective
-            family = "autoregressive" if objective == "autoregressive" else "masked"
+            if arm not in self._family:  # the recipe resolved once per arm, not per cell
+                objective = recipe_for(self.plan, arm, seed, Path("RUN")).train.objective
+                self._family[arm] = "autoregressive" if objective == "autoregressive" else "masked"
+            family = self._family[arm]
             if c.get("decode") == signature(self.plan, family, key, problems, False):  # same decoding settings
                 return c, donor_plan.name
         return None
