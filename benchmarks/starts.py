@@ -1,6 +1,6 @@
-"""The studies' pinned starts, saved beside the repository (issue 17;
-git tracks the manifest, not the weights): the AR parent and warm starts that the
-pre-registered plans continue, so that a plan spans sessions and machines.
+"""The studies' pinned starts, kept in the repository (issue 17): the AR parent and warm starts that the
+pre-registered plans continue, so that a plan spans sessions and machines. git tracks their weights (fp32, 14.7 MB
+each; the only *.safetensors the .gitignore admits): a start that lives only in runs/ is lost with the session.
 
 A plan's table pins the weights of every start its arms continue (`dlm.evaluation.study.fingerprint`). runs/ does
 not survive a session, and rebuilding a start with the plan's commands on another machine does not give the same
@@ -110,8 +110,8 @@ def restore(store: Path = STORE, root: Path = ROOT, names=None) -> list[str]:
             pass  # already there
         else:
             if not any((store / name / "model").glob("*.safetensors")):
-                raise DlmError(f"{store / name / 'model'}: no weights here (git does not track *.safetensors); copy "
-                               f"them from the machine that saved {name} (fingerprint {entry['fingerprint']})")
+                raise DlmError(f"{store / name / 'model'}: no weights here; check them out of git "
+                               f"(`git checkout -- {store.name}/{name}`; fingerprint {entry['fingerprint']})")
             if (run / "model").exists():
                 raise DlmError(f"{run}: holds another model than the saved start {name} "
                                f"({fingerprint(run / 'model')} vs {entry['fingerprint']}); move it away first")
