@@ -117,9 +117,10 @@ def decode(model, canvas, attention, positions, P, block_size, step, eos_id, mas
     progress = Progress(canvas, P, eos_id, mask_id, trace)
     done = progress.done
     uses_carry = bool(getattr(getattr(model, "spec", None), "carry", False))
-    carry = torch.zeros(B, L, model.config.hidden_size, device=canvas.device) if uses_carry else None
-    last_block = torch.zeros(B, dtype=torch.long, device=canvas.device)
     dtype = next(model.parameters()).dtype
+    # the carry is kept in the model's dtype, as the block KV cache keeps it: its LayerNorm reads it in that dtype
+    carry = torch.zeros(B, L, model.config.hidden_size, device=canvas.device, dtype=dtype) if uses_carry else None
+    last_block = torch.zeros(B, dtype=torch.long, device=canvas.device)
     while not bool(done.all()):
         rows = (~done).nonzero().squeeze(1)
         sub = slice(None) if len(rows) == B else rows  # finished rows are not computed again
@@ -139,7 +140,7 @@ def decode(model, canvas, attention, positions, P, block_size, step, eos_id, mas
                                        return_hidden=True, **inputs)
             else:
                 logits, hidden = model(canvas[sub], carry=carry[sub], return_hidden=True, **inputs)
-            carry[sub] = hidden.float()
+            carry[sub] = hidden
         else:
             logits = model(canvas[sub], **inputs)
         eligible = masked & (block_of[None, :] == current[:, None])
