@@ -194,3 +194,16 @@ def test_plain_text_corpus_is_packed_and_trained(tmp_path):
     trainer.fit()
     got = losses(tmp_path / "run")
     assert len(got) == 6 and got[-1] < got[0]
+
+
+def test_wall_clock_cap_stops_early_says_so_and_resumes_to_the_end(tmp_path, capsys):
+    """train.max_minutes ends a run after the update that crosses it, with a line saying how far it got; the saved
+    checkpoint lets --resume finish the planned updates."""
+    recipe = small_recipe(tmp_path / "cap", tmp_path / "data", "train.steps=6", "train.max_minutes=1e-9")
+    run = train(recipe, progress=False)
+    out = capsys.readouterr().out
+    assert "stopped at update 1 of 6: train.max_minutes=1e-09 reached" in out
+    assert json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 1
+    train(small_recipe(tmp_path / "cap", tmp_path / "data", "train.steps=6"), resume=True, progress=False)
+    assert "stopped at update" not in capsys.readouterr().out
+    assert json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 6

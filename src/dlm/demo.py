@@ -45,12 +45,16 @@ def run_demo(out: str | Path = "runs/demo", minutes: float = 9.0) -> dict:
         print(f"\n== dlm demo {stage}: {title} on tinymath {recipe.data.level} ==")
         train(recipe, resume=(run / "checkpoints" / "latest").is_file())
         results[stage] = json.loads((run / "eval.json").read_text())
+        last = (run / "metrics.jsonl").read_text().splitlines()[-1]
+        results[stage]["updates"] = (json.loads(last)["step"], recipe.train.steps)
     test = [json.loads(line) for line in (out / "data" / "test.jsonl").read_text().splitlines()]
     print(f"\n== results on {len(test)} test problems (trivial baseline {100 * trivial_baseline(test):.1f}%) ==")
     for stage, name in (("ar", "AR (KV cache)"), ("mdm", "MDM (threshold, τ=0.9)")):
         r = results[stage]
+        done, planned = r["updates"]
         print(f"  {name:22s} accuracy {100 * r['eval/accuracy']:5.1f}% | mean NFE {r['eval/mean_nfe']:5.1f} | "
-              f"{r['eval/ms_per_problem']:.0f} ms/problem")
+              f"{r['eval/ms_per_problem']:.0f} ms/problem | {done}/{planned} updates"
+              f"{' (stopped by the wall-clock cap; raise --minutes)' if done < planned else ''}")
     print("\n== the masked model's denoising, top-u u=2 to show every step (colour = confidence when revealed) ==")
     top_u = MaskedOptions(policy="top_u", reveal_count=2)
     for g in generate_text(out / "mdm", [test[0]["prompt"]], top_u, max_new_tokens=40, show_steps=True):

@@ -269,6 +269,9 @@ class Trainer:
             if stop:
                 break
         bar.close()
+        if main and self.step < tc.steps:  # the wall-clock cap ended the run early: say so, not only in the bar
+            print(f"stopped at update {self.step} of {tc.steps}: train.max_minutes={tc.max_minutes:g} reached; "
+                  f"the model is saved as trained so far (`dlm train --resume` trains the rest)", flush=True)
         self.save_checkpoint()
         self.save_model(self.run_dir / "model")
         return self.run_dir
