@@ -204,6 +204,15 @@ def test_wall_clock_cap_stops_early_says_so_and_resumes_to_the_end(tmp_path, cap
     out = capsys.readouterr().out
     assert "stopped at update 1 of 6: train.max_minutes=1e-09 reached" in out
     assert json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 1
+    # the checkpoint records the training seconds so far, and the resumed run adds its own to them (the study
+    # drivers report a resumed arm's whole training time from it): plant a large figure to see it carried over
+    first = ckpt.latest(run / "checkpoints")
+    state = torch.load(first / "trainer.pt", weights_only=False)
+    assert 0 < state["train_seconds"] < 600
+    state["train_seconds"] = 1000.0
+    torch.save(state, first / "trainer.pt")
     train(small_recipe(tmp_path / "cap", tmp_path / "data", "train.steps=6"), resume=True, progress=False)
     assert "stopped at update" not in capsys.readouterr().out
     assert json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 6
+    last = ckpt.latest(run / "checkpoints")
+    assert last != first and 1000.0 < torch.load(last / "trainer.pt", weights_only=False)["train_seconds"] < 1600

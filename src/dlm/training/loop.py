@@ -155,6 +155,9 @@ class Trainer:
         self.ema = EMA(self.unwrapped, tc.ema_decay) if tc.ema_decay else None
         self.step, self.tokens_seen = 0, 0
         self.skipped_updates, self.skipped_in_a_row = 0, 0  # updates skipped for a NaN/inf loss or gradient
+        # Seconds spent in the update loop by earlier segments of this run (read back on resume) and the start of
+        # this one: a resumed run's checkpoints count the whole run's training time, not only the last segment's.
+        self.seconds_before, self._segment_start = 0.0, None
         if resume and not self.load_latest() and self.acc.is_main_process:
             print(f"--resume: no complete checkpoint in {self.run_dir / 'checkpoints'}; starting fresh")
 
@@ -228,6 +231,14 @@ class Trainer:
             out["grad_norm"] = grad_norm
         return out
 
+    @property
+    def train_seconds(self) -> float:
+        """Wall-clock seconds in the update loop over every segment of this run up to now (checkpoints and
+        evaluations inside the loop included; the time after the last checkpoint of an interrupted segment is not
+        counted, its updates are redone)."""
+        now = time.perf_counter() - self._segment_start if self._segment_start is not None else 0.0
+        return self.seconds_before + now
+
     # ---- the run ----------------------------------------------------------------------------------------------
     def fit(self) -> Path:
         tc = self.recipe.train
@@ -239,6 +250,7 @@ class Trainer:
         bar = tqdm(total=tc.steps, initial=self.step, desc=f"train {self.recipe.name}", unit="step",
                    disable=not (main and self.progress), dynamic_ncols=True)
         t_start, tokens_start = time.perf_counter(), self.tokens_seen
+        self._segment_start = t_start
         deadline = t_start + 60 * tc.max_minutes if tc.max_minutes else None
         while self.step < tc.steps:
             record = self.train_step()
@@ -382,7 +394,8 @@ class Trainer:
                             "tokens_seen": self.tokens_seen, "sharded": sharded,
                             "ema": self.ema.state_dict() if self.ema and not sharded else None,
                             "world_size": self.acc.num_processes, "skipped_updates": self.skipped_updates,
-                            "skipped_in_a_row": self.skipped_in_a_row}, tmp / "trainer.pt")
+                            "skipped_in_a_row": self.skipped_in_a_row,
+                            "train_seconds": self.train_seconds}, tmp / "trainer.pt")
                 final = ckpt.commit(root, tmp, self.step, self.recipe.train.keep_checkpoints)
             except OSError as err:
                 error = err
@@ -446,6 +459,7 @@ class Trainer:
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
         self.skipped_updates = state.get("skipped_updates", 0)
         self.skipped_in_a_row = state.get("skipped_in_a_row", 0)
+        self.seconds_before = float(state.get("train_seconds", 0.0))  # absent in checkpoints from before 2026-12
         data = torch.load(found / f"data_rank{rank}.pt", weights_only=False)
         self.objective.load_state_dict(data.pop("objective"))
         self.stream.load_state_dict(data)
