@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 PLANS = [ROOT / "benchmarks" / "plans" / f"{name}.yaml"  # the plans this driver runs
          for name in ("pumba-table2", "block-long", "pumba-bridges", "pumba-ablations", "pumba-reinforce",
-                      "pumba-table2-w8")]
+                      "pumba-table2-w8", "pumba-bridges-kept")]
 
 
 @pytest.mark.parametrize("path", PLANS, ids=[p.stem for p in PLANS])
@@ -70,6 +70,31 @@ def test_reinforce_plan_shares_its_reference_arms_with_pumba_bridges(tmp_path):
         r = pumba_study.recipe_for(new, arm, 0, tmp_path / arm)
         assert (r.progressive.bridge, r.progressive.reinforce_weight, r.progressive.carry, r.progressive.window) == (
             "reinforce_sampled", weight, False, 2)
+
+
+def test_bridges_kept_plan_reruns_pumba_bridges_arms(tmp_path):
+    """pumba-bridges-kept measures pumba-bridges' arms unchanged (only the run name differs), so its cells answer
+    the same Table 1 comparisons on the kept warm start; its w2 and nobridge are pumba-reinforce's training runs, so
+    --reuse of that table can take them over."""
+    import pumba_study
+
+    from dlm.config import dump_recipe
+
+    kept, old, reinforce = (Plan.load(ROOT / "benchmarks" / "plans" / f"{n}.yaml")
+                            for n in ("pumba-bridges-kept", "pumba-bridges", "pumba-reinforce"))
+
+    def resolved(plan, arm):
+        return dump_recipe(pumba_study.recipe_for(plan, arm, 1, tmp_path / "RUN").model_copy(update={"name": "-"}))
+
+    assert set(kept.arms) < set(old.arms)
+    for arm in kept.arms:
+        assert resolved(kept, arm) == resolved(old, arm)
+    for arm in ("w2", "nobridge"):
+        assert pumba_study.neutral_recipe(kept, arm) == pumba_study.neutral_recipe(reinforce, arm)
+    assert kept.settings["starts"]["warm_start"]["path"] == reinforce.settings["starts"]["warm_start"]["path"]
+    bridges = {arm: pumba_study.recipe_for(kept, arm, 0, tmp_path / arm).progressive for arm in ("gumbel", "st")}
+    assert (bridges["gumbel"].bridge, bridges["gumbel"].carry) == ("gumbel", False)
+    assert (bridges["st"].bridge, bridges["st"].carry) == ("straight_through", False)
 
 
 def test_zeroed_carry_is_a_carry_less_model():
