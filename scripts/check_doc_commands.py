@@ -150,8 +150,7 @@ def check(kind: str, script: Path | None, argv: list[str]) -> str | None:
 
         overrides = list(namespace.set or []) + ([f"out_dir={namespace.out_dir}"] if namespace.out_dir else [])
         try:
-            load_recipe(ROOT / namespace.recipe if not Path(namespace.recipe).is_absolute() else namespace.recipe,
-                        overrides)
+            load_recipe(ROOT / namespace.recipe, overrides)  # an absolute recipe path stays as it is
         except (DlmError, ValueError) as e:
             return " ".join(str(e).split())
     return None
