@@ -142,28 +142,13 @@ def trained_model(plan, arm: str, seed: int, runs: Path) -> tuple[Path, dict]:
     resume = (run / "checkpoints" / "latest").is_file()
     print(f"== seed {seed}: training {arm} ({recipe.train.steps} updates{', resumed' if resume else ''})",
           flush=True)
-    before = seconds_until_checkpoint(run) if resume else 0.0
-    t0 = time.time()
     train(recipe, resume=resume, progress=False)
+    summary = json.loads((run / "train_summary.json").read_text())  # seconds over every segment of a resumed run
     record = {"updates": recipe.train.steps, "passes": recipe.train.steps * passes_per_update(recipe),
-              "train_seconds": round(before + time.time() - t0, 1), "resumed": resume,
+              "train_seconds": round(summary["train_seconds"], 1), "resumed": resume,
               "fingerprint": fingerprint(run / "model")}
     record_file.write_text(json.dumps(record, indent=1) + "\n")
     return run / "model", record
-
-
-def seconds_until_checkpoint(run: Path) -> float:
-    """Training seconds the earlier segments of a resumed run spent up to its latest checkpoint (what the resumed
-    segment continues from), so that a resumed arm's train_seconds counts the whole run; 0 for checkpoints written
-    before the trainer recorded it."""
-    import torch
-
-    from dlm.checkpoint import latest
-
-    found = latest(run / "checkpoints")
-    if found is None:
-        return 0.0
-    return float(torch.load(found / "trainer.pt", weights_only=False).get("train_seconds", 0.0))
 
 
 def zero_carry_(model) -> None:

@@ -169,6 +169,9 @@ def main(argv=None) -> None:
         if not Path(json_path).is_file():
             print(f"{json_path}: no study table yet; every cell is reported missing")
         table = StudyTable(json_path, plan)
+        for path in (args.out, args.plot):  # a doc or plot in a folder not made yet: make it, no traceback
+            if path:
+                Path(path).parent.mkdir(parents=True, exist_ok=True)
         if args.plot:
             plot(table, args.plot)
         text = section(table, args.plan, json_path, args.out, args.plot)

@@ -287,6 +287,11 @@ def test_study_report_writes_the_marked_section_from_a_synthetic_table(tmp_path)
     assert "Missing cells (1):\n- seed 2: c (u=8)" in text and "Seeds complete: 0, 1 of 0, 1, 2" in text
     assert "not bitwise equal): b seed 1." in text  # two weights behind one (arm, seed)
     assert (tmp_path / "p.png").stat().st_size > 10_000
+    # a doc and plot in folders not made yet: made, and the links run from the doc's own folder
+    study_report.main([str(plan_path), "--json", str(tmp_path / "synthetic.json"), "--out",
+                       str(tmp_path / "new" / "doc.md"), "--plot", str(tmp_path / "pics" / "p.png")])
+    moved = (tmp_path / "new" / "doc.md").read_text()
+    assert "](../pics/p.png)" in moved and "](../synthetic.json)" in moved and "](../synthetic.yaml)" in moved
 
 
 def test_random_initial_masking_is_refused_where_it_would_do_nothing():

@@ -286,6 +286,12 @@ class Trainer:
                   f"the model is saved as trained so far (`dlm train --resume` trains the rest)", flush=True)
         self.save_checkpoint()
         self.save_model(self.run_dir / "model")
+        if main:  # what a driver reports for this run, without reading the optimizer-sized trainer.pt back
+            summary = {"updates": self.step, "of": tc.steps, "train_seconds": round(self.train_seconds, 2),
+                       "tokens_seen": self.tokens_seen}
+            tmp = self.run_dir / "train_summary.json.tmp"
+            tmp.write_text(json.dumps(summary, indent=1) + "\n")
+            tmp.replace(self.run_dir / "train_summary.json")
         return self.run_dir
 
     @torch.no_grad()
