@@ -58,7 +58,7 @@ class ClaimsError(DlmError):
 # -- reading claims.yaml ---------------------------------------------------------------------------------------------
 _FIELDS = {"id", "paper", "section", "statement", "paper_number", "readme", "evidence"}
 _REQUIRED = ("id", "paper", "section", "statement", "paper_number", "evidence")
-_STUDY = {"plan", "arm_a", "arm_b", "eval", "eval_b", "expect", "margin", "json", "note"}
+_STUDY = {"plan", "arm_a", "arm_b", "eval", "eval_b", "expect", "margin", "json", "note", "at_most"}
 _LEGACY = {"doc", "number", "n", "seeds", "ci", "verdict", "note", "check"}
 _CHECK = {"json", "path", "value", "tol"}
 
@@ -149,6 +149,10 @@ def _check_claim(claim, where: str) -> None:
                               f"expect: not_lower, got {margin!r}")
         if expect == "higher" and margin is not None:
             raise ClaimsError(f"{where}: field 'evidence.study.margin' only applies to expect: not_lower")
+        if "at_most" in s and (s["at_most"] != "partly" or not s.get("note")):
+            raise ClaimsError(f"{where}: field 'evidence.study.at_most' can only be partly, with a note saying what "
+                              f"the comparison leaves unmeasured; got {s['at_most']!r}"
+                              + ("" if s.get("note") else " and no note"))
     if "legacy" in ev:
         leg = ev["legacy"]
         if not isinstance(leg, dict):
@@ -318,6 +322,9 @@ def build_rows(data: dict, results: Path, plans: Path) -> list[dict]:
             label_a = ref["arm_a"] + (f" {ref['eval']}" if ref.get("eval_b") else "")
             label_b = ref["arm_b"] + (f" {ref['eval_b']}" if ref.get("eval_b") else "")
             v = verdict(r, ref["expect"], ref.get("margin") or 0)
+            capped = ref.get("at_most") == "partly" and v == "reproduced"  # the claim is broader than this comparison
+            if capped:
+                v = "partly"
             extra = [] if st["preregistered"] in (None, True) else ["not pre-registered"]
             row.update(
                 dlm_number=f"{label_a} {_pct(r['accuracy_a'], r['sd_a'])} vs {label_b} "
@@ -325,7 +332,8 @@ def build_rows(data: dict, results: Path, plans: Path) -> list[dict]:
                            + ("" if ref.get("eval_b") else f", {ref['eval']}"),
                 n=str(r["n"]), seeds=f"{st['done']}/{st['planned']}" + (" (frozen)" if st.get("frozen") else ""),
                 ci=f"[{100 * r['low']:+.1f}, {100 * r['high']:+.1f}], p = {r['p_value']:#.2g}",
-                verdict_text=" · ".join([v, *extra]), link=plan_link, kind=v,
+                verdict_text=" · ".join([v + (" (capped: the comparison alone reproduces)" if capped else ""),
+                                         *extra]), link=plan_link, kind=v,
                 note="; ".join(x for x in (
                     f"claim: {ref['arm_a']} not worse than {ref['arm_b']} by more than {ref['margin']} points"
                     if ref["expect"] == "not_lower" else None,

@@ -83,6 +83,8 @@ def test_verdicts_from_synthetic_study_tables(tmp_path):
         _claim("neg", "study: {plan: toy, arm_a: worse, arm_b: b, eval: e}"),
         _claim("empty", "study: {plan: empty, arm_a: better, arm_b: b, eval: e}"),
         _claim("nothing", "not_run: {reason: no plan}"),
+        _claim("capped", "study: {plan: toy, arm_a: better, arm_b: b, eval: e, at_most: partly, note: One budget.}"),
+        _claim("capped-part", "study: {plan: toy, arm_a: slightly, arm_b: b, eval: e, at_most: partly, note: N.}"),
     ]))
     (results / "README.md").write_text("")
     _run(claims, results, plans, "", "--date", "2026-12-01")
@@ -91,7 +93,10 @@ def test_verdicts_from_synthetic_study_tables(tmp_path):
     verdicts = {k: v[7] for k, v in rows.items()}
     assert verdicts == {"rep": "**reproduced**", "part": "**partly · not pre-registered**",
                         "one": "**partly · not pre-registered**", "neg": "**not**",
-                        "empty": "**not run (plan empty, 0/3 seeds)**", "nothing": "**not run**"}
+                        "empty": "**not run (plan empty, 0/3 seeds)**", "nothing": "**not run**",
+                        # a claim broader than its one comparison: capped at partly, and the row says so
+                        "capped": "**partly (capped: the comparison alone reproduces)**",
+                        "capped-part": "**partly · not pre-registered**"}
     assert rows["rep"][5] == "3/3" and rows["one"][5] == "1/3" and rows["rep"][4] == "200"
     low, high = 100 * rep["low"], 100 * rep["high"]
     assert rows["rep"][6].startswith(f"[{low:+.1f}, {high:+.1f}]")
@@ -156,6 +161,10 @@ def test_readme_block_is_replaced_and_links_point_into_docs(tmp_path):
     (_claim("x", "not_run: {reason: r}").replace("  section", "  sektion: 1\n  section"),
      "unknown field(s) ['sektion']"),
     ("- id: [x\n", "not valid YAML"),
+    (_claim("x", "study: {plan: toy, arm_a: better, arm_b: b, eval: e, at_most: partly}"),
+     "'evidence.study.at_most' can only be partly, with a note"),
+    (_claim("x", "study: {plan: toy, arm_a: better, arm_b: b, eval: e, at_most: not, note: n}"),
+     "'evidence.study.at_most' can only be partly"),
 ])
 def test_malformed_claims_give_one_line_naming_the_field(tmp_path, claim, field):
     plans, results, _ = _study(tmp_path)
