@@ -64,8 +64,13 @@ def check_plan(plan) -> None:
     for key in plan.evals:
         parse_eval(key, where)
     for c in s.get("comparisons") or []:
-        if c.get("a") not in plan.arms or c.get("b") not in plan.arms or c.get("eval") not in plan.evals:
-            raise StudyError(f"{where}: comparison {c} must name two planned arms (a, b) and a planned eval")
+        if c.get("a") not in plan.arms or c.get("b") not in plan.arms or c.get("eval") not in plan.evals \
+                or c.get("eval_b", c.get("eval")) not in plan.evals:
+            raise StudyError(f"{where}: comparison {c} must name two planned arms (a, b) and planned evals (eval, "
+                             "optional eval_b)")
+        expect, margin = c.get("expect", "higher"), c.get("margin")
+        if expect not in ("higher", "not_lower") or (expect == "not_lower") != isinstance(margin, (int, float)):
+            raise StudyError(f"{where}: comparison {c}: expect is higher, or not_lower with a margin in points")
 
 
 def parse_eval(key: str, where: str = "plan") -> tuple[str, float, str]:

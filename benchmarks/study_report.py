@@ -79,9 +79,10 @@ def section(table, plan_path: str, json_path: str, out: str, plot: str | None = 
         lines.append(f"| {arm} | " + " | ".join("–" if s["mean"] is None else f"{s['mean_nfe']:.1f}"
                                                for s in cells) + " |")
     comparisons = plan.settings.get("comparisons") or []
-    lines += ["", "Pre-registered comparisons (claim: a above b). Paired on the same problems: difference of "
-              "accuracy in points, 95 % bootstrap CI over problems of the seed-averaged per-problem difference, "
-              "p from an exact McNemar test (1 seed) or a sign-flip randomisation test (several seeds).", "",
+    lines += ["", "Pre-registered comparisons (claim: a above b, unless it says a matches b within a margin). Paired "
+              "on the same problems: difference of accuracy in points, 95 % bootstrap CI over problems of the "
+              "seed-averaged per-problem difference, p from an exact McNemar test (1 seed) or a sign-flip "
+              "randomisation test (several seeds).", "",
               "| claim | a vs b @ evaluation | result | verdict |", "|---|---|---|---|"]
     for c in comparisons:
         key_b = c.get("eval_b") or c["eval"]
@@ -92,7 +93,11 @@ def section(table, plan_path: str, json_path: str, out: str, plot: str | None = 
         except StudyError:
             lines.append(f"| {c.get('claim', '')} | {where} | not run yet | – |")
             continue
-        v = seed_verdict(r) + (" (CI excludes 0)" if r["high"] < 0 else "")
+        expect, margin = c.get("expect", "higher"), c.get("margin", 0)
+        if expect == "not_lower":  # a matches b: not worse by more than `margin` points (VERDICT_RULE)
+            v = seed_verdict(r, expect, margin) + f" (match within {margin:g} points)"
+        else:
+            v = seed_verdict(r) + (" (CI excludes 0)" if r["high"] < 0 else "")
         if r["n_seeds"] < len(plan.seeds):
             v += f" (provisional: {r['n_seeds']} of {len(plan.seeds)} seeds)"
         lines.append(f"| {c.get('claim', '')} | {where} | {format_seed_comparison(r)} | **{v}** |")

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 PLANS = [ROOT / "benchmarks" / "plans" / f"{name}.yaml"  # the plans this driver runs
          for name in ("pumba-table2", "block-long", "pumba-bridges", "pumba-ablations", "pumba-reinforce",
-                      "pumba-table2-w8", "pumba-bridges-kept")]
+                      "pumba-table2-w8", "pumba-bridges-kept", "mdm-tinymath")]
 
 
 @pytest.mark.parametrize("path", PLANS, ids=[p.stem for p in PLANS])
@@ -233,6 +233,8 @@ settings:
     - {a: b, b: c, eval: u=2, claim: "b above c"}
     - {a: c, b: a, eval: u=2, claim: "c above a"}
     - {a: a, b: c, eval: u=8, claim: "a above c at u=8"}
+    - {a: b, b: c, eval: u=2, expect: not_lower, margin: 2, claim: "b matches c"}
+    - {a: c, b: a, eval: u=2, expect: not_lower, margin: 2, claim: "c matches a"}
 """
 
 
@@ -277,13 +279,20 @@ def test_study_report_writes_the_marked_section_from_a_synthetic_table(tmp_path)
     row = next(line for line in text.splitlines() if line.startswith("| a | 200 | 400 | 11 | 3/3 |"))
     assert want in row
     assert "| c | 200 | 200 | 11 | 2/3 |" in text  # seed 2 lacks u=8
-    lines = {line.split(" | ")[1]: line for line in text.splitlines() if line.startswith("| ") and " vs " in line}
+    lines = {line.split(" | ")[1]: line for line in text.splitlines()  # same-direction claims, by "a vs b @ e"
+             if line.startswith("| ") and " vs " in line and "matches" not in line}
+    matches = {line.split(" | ")[0][2:]: line for line in text.splitlines() if " matches " in line}
     result = compare_seeds([outcomes["a", s, "u=2"] for s in (0, 1, 2)], [outcomes["b", s, "u=2"] for s in (0, 1, 2)])
     assert format_seed_comparison(result) in lines["a vs b @ u=2"] and "**reproduced**" in lines["a vs b @ u=2"]
     even = compare_seeds([outcomes["b", s, "u=2"] for s in (0, 1, 2)], [outcomes["c", s, "u=2"] for s in (0, 1, 2)])
     assert even["low"] < 0 < even["high"] and f"**{seed_verdict(even)}**" in lines["b vs c @ u=2"]
     assert "**not (CI excludes 0)**" in lines["c vs a @ u=2"]
     assert "**partly (provisional: 2 of 3 seeds)**" in lines["a vs c @ u=8"]  # CI above 0, but 2 seeds
+    # "matches" comparisons read the margin: b and c are even (the CI's ends inside +-2 points or not decides
+    # reproduced vs partly), c is ~30 points below a: not
+    want = "reproduced" if even["low"] > -0.02 else "partly"
+    assert matches["b matches c"].endswith(f"**{want} (match within 2 points)** |")
+    assert matches["c matches a"].endswith("**not (match within 2 points)** |")
     assert "Missing cells (1):\n- seed 2: c (u=8)" in text and "Seeds complete: 0, 1 of 0, 1, 2" in text
     assert "not bitwise equal): b seed 1." in text  # two weights behind one (arm, seed)
     assert (tmp_path / "p.png").stat().st_size > 10_000
