@@ -335,7 +335,7 @@ def build_rows(data: dict, results: Path, plans: Path) -> list[dict]:
                 verdict_text=" · ".join([v + (" (capped: the comparison alone reproduces)" if capped else ""),
                                          *extra]), link=plan_link, kind=v,
                 note="; ".join(x for x in (
-                    f"claim: {ref['arm_a']} not worse than {ref['arm_b']} by more than {ref['margin']} points"
+                    f"claim: {label_a} not worse than {label_b} by more than {ref['margin']} points"
                     if ref["expect"] == "not_lower" else None,
                     " ".join(ref["note"].split()).rstrip(".") if ref.get("note") else None,
                     f"earlier one-seed measurement ({ev['legacy']['doc']}): {ev['legacy']['number']}"

@@ -132,8 +132,27 @@ def _rel(target: str, doc: str) -> str:
     return os.path.relpath(Path(target).resolve(), Path(doc).resolve().parent)
 
 
+def series(table) -> list[tuple[str, list[tuple[float, float, float]]]]:
+    """The plot's lines: (label, [(mean NFE, accuracy %, sd %)]) per arm and decoding rule of the main split, top-u
+    (u=…) and threshold (tau=…) apart; an arm decoded alike under every key (an AR, copied cells) is one line."""
+    keys = [k for k in table.plan.evals if "/" not in k]
+    kinds = list(dict.fromkeys(k.split("=")[0] for k in keys))
+    names = {"u": "top-u", "tau": "threshold"}
+    out = []
+    for arm in table.plan.arms:
+        groups = {kind: sorted({(s["mean_nfe"], 100 * s["mean"], 100 * (s["sd"] or 0)) for s in
+                                (table.summary(arm, k) for k in keys if k.split("=")[0] == kind)
+                                if s["mean"] is not None}) for kind in kinds}
+        groups = {kind: pts for kind, pts in groups.items() if pts}
+        if len({tuple(pts) for pts in groups.values()}) == 1:
+            groups = {None: next(iter(groups.values()))}
+        out += [(arm if kind is None or len(groups) == 1 else f"{arm} ({names.get(kind, kind)})", pts)
+                for kind, pts in groups.items()]
+    return out
+
+
 def plot(table, path: str | Path) -> None:
-    """Accuracy (mean ± sd over seeds) against mean NFE, one line per arm over the evaluations of the main split."""
+    """Accuracy (mean ± sd over seeds) against mean NFE: the lines of `series`."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -141,12 +160,9 @@ def plot(table, path: str | Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     keys = [k for k in table.plan.evals if "/" not in k]
-    for arm in table.plan.arms:
-        pts = sorted((s["mean_nfe"], 100 * s["mean"], 100 * (s["sd"] or 0)) for s in
-                     (table.summary(arm, k) for k in keys) if s["mean"] is not None)
-        if pts:
-            x, y, e = zip(*pts)
-            ax.errorbar(x, y, yerr=e, marker="o", capsize=3, label=arm)
+    for label, pts in series(table):
+        x, y, e = zip(*pts)
+        ax.errorbar(x, y, yerr=e, marker="o", capsize=3, label=label)
     ax.set_xscale("log")
     ax.set_xlabel("mean NFE per problem")
     ax.set_ylabel("accuracy (%), mean ± sd over seeds")

@@ -358,3 +358,23 @@ def test_unseen_report_pairs_each_arms_unseen_cells_with_its_seen_ones(tmp_path)
     low, high = (float(x) for x in row.split(f"| 37.5 ± {sd:.1f} % [")[1].split("]")[0].split(", "))
     assert 0 <= low < 37.5 < high <= 100  # a bootstrap CI over 4 problems: wide, around the mean
     assert "| syn | no unseen cell yet: b |" in doc.read_text()
+
+
+def test_plot_series_keep_top_u_and_threshold_apart_and_draw_an_ar_once(tmp_path):
+    import study_report
+
+    plan_path = tmp_path / "mixed.yaml"
+    plan_path.write_text("name: mixed\narms: [mdm, ar]\nseeds: [0]\nevals: [u=1, u=4, tau=0.9, tau=0.9/unseen]\n"
+                         "settings: {}\n")
+    table = StudyTable(tmp_path / "mixed.json", Plan.load(plan_path))
+    cells = (("u=1", 0.9, 36.0), ("u=4", 0.8, 9.0), ("tau=0.9", 0.85, 3.0), ("tau=0.9/unseen", 0.1, 5.0))
+    for key, share, nfe in cells:
+        table.add("mdm", 0, key, {"mean_nfe": nfe, "samples": [{"correct": i < 100 * share} for i in range(100)]},
+                  problems=key)
+        table.add("ar", 0, key, {"mean_nfe": 27.0, "samples": [{"correct": i < 99} for i in range(100)]},
+                  problems=key)
+    lines = dict(study_report.series(table))
+    assert sorted(lines) == ["ar", "mdm (threshold)", "mdm (top-u)"]  # the unseen split is not on the plot
+    assert lines["mdm (top-u)"] == [(9.0, 80.0, 0.0), (36.0, 90.0, 0.0)]
+    assert lines["mdm (threshold)"] == [(3.0, 85.0, 0.0)]
+    assert lines["ar"] == [(27.0, 99.0, 0.0)]
