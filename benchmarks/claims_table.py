@@ -232,6 +232,9 @@ def study_evidence(ref: dict, results: Path, plans: Path, where: str) -> dict:
                                   f"{ref['plan']} (evals: {', '.join(plan.evals)})")
     planned = len(plan.seeds) if plan is not None else 3
     doc = results / f"{ref['plan']}.md"
+    if not doc.is_file():  # a doc of another name whose study section study_report.py wrote from this table
+        mark = f"from docs/results/{table_path.name};"
+        doc = next((d for d in sorted(results.glob("*.md")) if mark in d.read_text()), doc)
     link = (doc.name if doc.is_file() else table_path.name if table_path.is_file() else
             f"../../benchmarks/plans/{ref['plan']}.yaml" if (plans / f"{ref['plan']}.yaml").is_file() else None)
     out = {"done": 0, "planned": planned, "result": None, "preregistered": None, "link": link}
