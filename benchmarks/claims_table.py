@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import re
 import statistics
@@ -216,6 +217,17 @@ def _plan_of(ref: dict, results: Path, plans: Path, where: str) -> tuple[Plan | 
     return None, table
 
 
+@functools.cache
+def _section_docs(results: Path) -> dict[str, Path]:
+    """{study table name: the doc whose study section study_report.py wrote from it}, read once per folder."""
+    found = {}
+    for d in sorted(results.glob("*.md")):
+        m = re.search(r"written by benchmarks/study_report\.py from docs/results/([^;\s]+);", d.read_text())
+        if m:
+            found.setdefault(m.group(1), d)
+    return found
+
+
 def study_evidence(ref: dict, results: Path, plans: Path, where: str) -> dict:
     """{"done", "planned", "result", "preregistered", "link"} of one study comparison; result None when no seed has
     both cells."""
@@ -233,8 +245,7 @@ def study_evidence(ref: dict, results: Path, plans: Path, where: str) -> dict:
     planned = len(plan.seeds) if plan is not None else 3
     doc = results / f"{ref['plan']}.md"
     if not doc.is_file():  # a doc of another name whose study section study_report.py wrote from this table
-        mark = f"from docs/results/{table_path.name};"
-        doc = next((d for d in sorted(results.glob("*.md")) if mark in d.read_text()), doc)
+        doc = _section_docs(results).get(table_path.name, doc)
     link = (doc.name if doc.is_file() else table_path.name if table_path.is_file() else
             f"../../benchmarks/plans/{ref['plan']}.yaml" if (plans / f"{ref['plan']}.yaml").is_file() else None)
     out = {"done": 0, "planned": planned, "result": None, "preregistered": None, "link": link}
