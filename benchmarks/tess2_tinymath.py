@@ -15,6 +15,8 @@ script alone (the doc lists the exact commands):
 The medium study: `study` trains what its plan names (the AR parent, UL2 adaptation, reward model once; SFT once per
 seed) and evaluates every missing (arm, seed, eval) cell through a StudyTable, seed-major, until done or --max-minutes;
 `report` regenerates the numbers between the doc's `<!-- study:begin -->` / `<!-- study:end -->` markers and the plot.
+`--reuse OTHER.json` takes over cells another plan's table already holds for the same training chain, sampler
+options, problems and seed (see Donors) instead of training and evaluating them again.
 
     python benchmarks/tess2_tinymath.py study --plan benchmarks/plans/tess2-medium.yaml \\
         --json docs/results/tess2-medium.json --max-minutes 150
@@ -193,7 +195,7 @@ class Study:
     guidance_baseline (the η = 0 arm), comparisons [[arm a, arm b], ...]."""
 
     def __init__(self, plan: Plan, table: StudyTable, deadline: float | None = None, train_fn=None, seeds=None,
-                 arms=None):
+                 arms=None, reuse=None):
         self.plan, self.table, self.s, self.deadline = plan, table, plan.settings, deadline
         self.seeds = subset("seeds", seeds, plan.seeds)  # --seeds / --arms: e.g. one driver per core
         self.arms = subset("arms", arms, plan.arms)
@@ -201,6 +203,7 @@ class Study:
         self.models: dict[tuple[str, int], Path] = {}
         self.records: dict[str, list[dict] | None] = {}
         check_plan(plan)
+        self.donors = Donors(plan, table, reuse)
 
     def out_of_time(self) -> bool:
         return self.deadline is not None and time.time() > self.deadline
@@ -284,6 +287,13 @@ class Study:
                 print("--max-minutes reached; the next call resumes here", flush=True)
                 break
             spec = dict(self.s["arm_settings"][arm])
+            records = self.problems(key) if Path(self.s["data_dir"]).is_dir() else None
+            donated = self.donors.take(arm, seed, key, problems_digest(records)) if records is not None else None
+            if donated is not None:  # another plan ran this very cell: take it over, train nothing
+                added += 1
+                print(f"{arm:>14s} seed {seed} {key:>7s}: {100 * donated['accuracy']:5.1f} % (n={donated['n']}, "
+                      f"from {donated['copied_from']['table']}'s {donated['copied_from']['arm']})", flush=True)
+                continue
             try:  # models first: the first training writes the data directory
                 model_dir = self.model(spec.pop("model"), seed)
                 if "reward_model" in spec:
@@ -312,6 +322,95 @@ class Study:
             print(f"{arm:>14s} seed {seed} {key:>7s}: {100 * cell['accuracy']:5.1f} % (n={cell['n']}, "
                   f"NFE {cell['mean_nfe']:.1f})", flush=True)
         return added
+
+
+class Donors:
+    """Other plans' study tables (--reuse) whose cells stand for this plan's. A donor arm stands for one of ours when
+    its model is the same training chain (stage by stage: recipe, overrides, seed rule, fixed run directory; the names
+    may differ), its sampler options are ours, and both plans evaluate alike (data directory, n, token limit, batch
+    size, the evaluation's file). The cell itself must have been scored on our problems in the same seed. A witness
+    guards against drift of recipe files or code since the donor ran: for some seed both tables pinned the chain's
+    last model, and to the same weights (the chain was trained twice here and came out bitwise equal). A cell taken
+    over pins the donor's weights for each stage, so a later local training must match them, and is marked
+    copied_from."""
+
+    EVAL_SETTINGS = ("data_dir", "n", "max_new_tokens", "batch_size")
+
+    def __init__(self, plan: Plan, table: StudyTable, paths):
+        self.plan, self.table, self.tables = plan, table, []
+        for path in paths or []:
+            path = Path(path)
+            try:
+                raw = json.loads(path.read_text())
+            except (OSError, json.JSONDecodeError) as e:
+                raise StudyError(f"{path}: --reuse needs a study table ({e})") from None
+            if not isinstance(raw, dict) or "plan" not in raw:
+                raise StudyError(f"{path}: --reuse needs a study table (no 'plan' in it)")
+            p = raw["plan"]
+            donor = Plan(p["name"], tuple(p["arms"]), tuple(p["seeds"]), tuple(p["evals"]), p["settings"], str(path))
+            if donor.name == plan.name:
+                raise StudyError(f"{path}: --reuse takes other plans' tables, not this plan's own")
+            self.tables.append((donor, StudyTable(path, donor)))
+        self._arms: dict[str, list] = {}
+
+    @staticmethod
+    def chain(settings: dict, name: str) -> list[tuple[str, dict]]:
+        """The model `name` and its ancestors (init_from), last stage first, as (name, what trains it)."""
+        out, train = [], settings["train"]
+        while name:
+            entry = train[name]
+            out.append((name, {"recipe": entry["recipe"], "set": list(entry.get("set", [])),
+                               "seed": entry.get("seed", 0), "out_dir": entry.get("out_dir")}))
+            name = entry.get("init_from")
+        return out
+
+    @staticmethod
+    def _pin(name: str, entry: dict, seed: int) -> str:
+        return f"{name}/seed{seed}" if entry["seed"] == "study" else name
+
+    def _donor_arms(self, arm: str) -> list:
+        """(donor plan, donor table, donor arm, stage names paired with ours) that stand for `arm`."""
+        if arm not in self._arms:
+            found, s = [], self.plan.settings
+            spec = dict(s["arm_settings"][arm])
+            mine = self.chain(s, spec.pop("model"))
+            for donor, dtable in self.tables:
+                d_s = donor.settings
+                if any(d_s.get(k) != s.get(k) for k in self.EVAL_SETTINGS) or "reward_model" in spec \
+                        or s.get("reward_scorer") or d_s.get("reward_scorer"):
+                    continue
+                for d, dspec in d_s.get("arm_settings", {}).items():
+                    dspec = dict(dspec)
+                    theirs = self.chain(d_s, dspec.pop("model"))
+                    if dspec != spec or [e for _, e in theirs] != [e for _, e in mine]:
+                        continue
+                    stages = [(n, dn, e) for (n, e), (dn, _) in zip(mine, theirs)]
+                    n, dn, e = stages[0]
+                    witness = [x for x in self.plan.seeds if x in donor.seeds
+                               and self.table.pins.get(self._pin(n, e, x)) is not None
+                               and self.table.pins.get(self._pin(n, e, x)) == dtable.pins.get(self._pin(dn, e, x))]
+                    if witness:
+                        found.append((donor, dtable, d, stages))
+            self._arms[arm] = found
+        return self._arms[arm]
+
+    def take(self, arm: str, seed: int, key: str, problems: str) -> dict | None:
+        """Take the donor cell for (arm, seed, key) over into our table, pinning its models; None if there is none."""
+        for donor, dtable, d, stages in self._donor_arms(arm):
+            if donor.settings["eval_files"].get(key) != self.plan.settings["eval_files"][key]:
+                continue
+            c = dtable.cell(d, seed, key)
+            pins = [(self._pin(n, e, seed), dtable.pins.get(self._pin(dn, e, seed))) for n, dn, e in stages]
+            if c is None or c["problems"] != problems or any(v is None for _, v in pins):
+                continue
+            for name, value in pins:
+                self.table.pin(name, value)  # refuses if we trained that stage to other weights
+            result = {"samples": [{"correct": x} for x in c["correct"]],
+                      **{k: c[k] for k in ("mean_nfe", "ms_per_problem") if k in c}}
+            extra = {k: c[k] for k in ("model", "options") if k in c}
+            return self.table.add(arm, seed, key, result, problems=problems, **extra,
+                                  copied_from={"table": donor.name, "arm": d, "seed": seed, "eval": key})
+        return None
 
 
 class OutOfTime(Exception):
@@ -540,6 +639,9 @@ def main(argv=None) -> None:
                     "an order only, e.g. one driver per core; the table always holds the plan's seeds)")
     ap.add_argument("--arms", help="study: comma-separated subset of the plan's arms, run in this order within each "
                     "seed (a limit or an order only, like --seeds)")
+    ap.add_argument("--reuse", help="study: comma-separated study tables of other plans; a missing cell one of them "
+                    "ran (the same training chain, sampler options, problems and seed, with a seed whose weights both "
+                    "tables pinned equal) is taken over instead of trained and evaluated again, marked copied_from")
     ap.add_argument("--doc", help="report: the results doc whose study markers are rewritten")
     ap.add_argument("--plot", help="report: the plot (default: the doc's name with .png)")
     args = ap.parse_args(argv)
@@ -559,7 +661,8 @@ def run_section(args) -> None:
             deadline = time.time() + 60 * args.max_minutes if args.max_minutes else None
             seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else None
             arms = args.arms.split(",") if args.arms else None
-            added = Study(plan, table, deadline, seeds=seeds, arms=arms).run()
+            reuse = args.reuse.split(",") if args.reuse else None
+            added = Study(plan, table, deadline, seeds=seeds, arms=arms, reuse=reuse).run()
             left = sum(1 for _ in table.missing())
             print(f"{added} cells added; {left} planned cells missing", flush=True)
             return

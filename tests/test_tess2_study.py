@@ -349,3 +349,67 @@ def test_adapt_plan_trains_the_scratch_arm_without_the_ar_weights(tmp_path):
     for k in shared:
         assert (adapted[k] - ar[k]).norm() < 0.5 * (scratch[k] - ar[k]).norm()
     assert len(cells["scratch"]["correct"]) == 3  # per-problem outcomes, for the paired comparison
+
+
+def _reuse_plan(tmp_path, name: str, leaf: str, arm: str, sft_extra=()) -> Path:
+    """A two-arm plan (the AR parent and one adapted pipeline) whose stage names start with `leaf`; the AR parent has
+    one fixed run directory shared by every such plan."""
+    runs = tmp_path / "runs"
+
+    def entry(recipe, seed="study", init=None, extra=()):
+        return {"recipe": f"recipes/tinymath/{recipe}.yaml", "seed": seed, **({"init_from": init} if init else {}),
+                "set": [*TINY, *DATA, *extra]}
+
+    plan = {"name": name, "arms": ["ar", arm], "seeds": [0, 1], "evals": ["test"],
+            "settings": {"data_dir": str(runs / "ar" / "data"), "runs_dir": str(runs / name), "n": 3,
+                         "max_new_tokens": 16, "batch_size": 3, "eval_files": {"test": "test.jsonl"},
+                         "train": {"ar": {**entry("ar", seed=0), "out_dir": str(runs / "ar")},
+                                   f"adapt-{leaf}": entry("tess2-adapt", init="ar"),
+                                   f"sft-{leaf}": entry("tess2-sft", init=f"adapt-{leaf}", extra=sft_extra)},
+                         "arm_settings": {"ar": {"model": "ar"}, arm: {"model": f"sft-{leaf}", "inference_steps": 2}},
+                         "comparisons": [[arm, "ar"]]}}
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(json.dumps(plan))
+    return path
+
+
+def test_reuse_takes_over_another_plans_cells_only_after_a_witness_seed(tmp_path, monkeypatch):
+    """--reuse: a donor arm with the same training chain under other names stands for ours, but only once one seed
+    trained here gave the donor's very weights; then that seed's cells are copied (models pinned, nothing trained)."""
+    import tess2_tinymath
+
+    from dlm.evaluation.study import Plan, StudyError, StudyTable
+
+    donor, donor_table = _reuse_plan(tmp_path, "donor", "full", "full"), tmp_path / "donor.json"
+    tess2_tinymath.main(["study", "--plan", str(donor), "--json", str(donor_table)])
+    trained = []
+    train = tess2_tinymath._train
+    monkeypatch.setattr(tess2_tinymath, "_train", lambda r, resume: (trained.append(Path(r.out_dir).name),
+                                                                      train(r, resume)))
+    mine, table = _reuse_plan(tmp_path, "mine", "ar", "adapted"), tmp_path / "mine.json"
+    cli = ["study", "--plan", str(mine), "--json", str(table), "--reuse", str(donor_table), "--arms", "adapted"]
+    tess2_tinymath.main([*cli, "--seeds", "0"])  # no witness yet: seed 0 is trained here, not copied
+    assert trained == ["adapt-ar-seed0", "sft-ar-seed0"]
+    data, theirs = json.loads(table.read_text()), json.loads(donor_table.read_text())
+    assert data["pins"]["sft-ar/seed0"] == theirs["pins"]["sft-full/seed0"]  # the witness: bitwise the same
+    assert "copied_from" not in data["cells"][0]
+    trained.clear()
+    tess2_tinymath.main([*cli, "--seeds", "1"])
+    assert trained == []  # taken over
+    data = json.loads(table.read_text())
+    cell = next(c for c in data["cells"] if c["seed"] == 1)
+    source = next(c for c in theirs["cells"] if (c["arm"], c["seed"]) == ("full", 1))
+    assert cell["copied_from"] == {"table": "donor", "arm": "full", "seed": 1, "eval": "test"}
+    assert cell["correct"] == source["correct"] and cell["problems"] == source["problems"]
+    assert data["pins"]["sft-ar/seed1"] == theirs["pins"]["sft-full/seed1"]
+    assert data["pins"]["adapt-ar/seed1"] == theirs["pins"]["adapt-full/seed1"]
+    # another training chain (one more SFT update) never stands for ours, witness or not
+    other = _reuse_plan(tmp_path, "other", "ar", "adapted", sft_extra=["train.steps=3"])
+    plan = Plan.load(other)
+    t = StudyTable(tmp_path / "other.json", plan)
+    t.pins.update(data["pins"])
+    assert tess2_tinymath.Donors(plan, t, [donor_table])._donor_arms("adapted") == []
+    assert len(tess2_tinymath.Donors(Plan.load(mine), StudyTable(table, Plan.load(mine)),
+                                     [donor_table])._donor_arms("adapted")) == 1
+    with pytest.raises(StudyError, match="not this plan's own"):
+        tess2_tinymath.Donors(Plan.load(mine), StudyTable(table, Plan.load(mine)), [table])
