@@ -263,23 +263,9 @@ class Donors:
     evaluating the arm again would give (the earlier sessions' copies of run directories, without the files)."""
 
     def __init__(self, plan, table, paths):
-        from dlm.evaluation.study import Plan, StudyError, StudyTable
+        from dlm.evaluation.study import donor_tables
 
-        self.plan, self.table, self.tables = plan, table, []
-        for path in paths or []:
-            path = Path(path)
-            try:
-                raw = json.loads(path.read_text())
-            except (OSError, json.JSONDecodeError) as e:
-                raise StudyError(f"{path}: --reuse needs a study table ({e})") from None
-            if not isinstance(raw, dict) or "plan" not in raw:
-                raise StudyError(f"{path}: --reuse needs a study table (no 'plan' in it)")
-            p = raw["plan"]
-            donor_plan = Plan(p["name"], tuple(p["arms"]), tuple(p["seeds"]), tuple(p["evals"]), p["settings"],
-                              str(path))
-            if donor_plan.name == plan.name:
-                raise StudyError(f"{path}: --reuse takes other plans' tables, not this plan's own")
-            self.tables.append((donor_plan, StudyTable(path, donor_plan)))
+        self.plan, self.table, self.tables = plan, table, donor_tables(plan, paths)
         self._arms: dict = {}
         self._family: dict = {}
 

@@ -39,7 +39,16 @@ from dlm.data.tokenizer import encode_pair
 from dlm.errors import DlmError
 from dlm.evaluation.reward import score_texts
 from dlm.evaluation.stats import format_seed_comparison
-from dlm.evaluation.study import Plan, StudyError, StudyTable, fingerprint, problems_digest, subset, write_study_section
+from dlm.evaluation.study import (
+    Plan,
+    StudyError,
+    StudyTable,
+    donor_tables,
+    fingerprint,
+    problems_digest,
+    subset,
+    write_study_section,
+)
 from dlm.evaluation.tasks import evaluate
 from dlm.sampling import SimplexOptions, generate, load_for_inference
 from dlm.sampling.guidance import resolve_reward_model
@@ -337,20 +346,7 @@ class Donors:
     EVAL_SETTINGS = ("data_dir", "n", "max_new_tokens", "batch_size")
 
     def __init__(self, plan: Plan, table: StudyTable, paths):
-        self.plan, self.table, self.tables = plan, table, []
-        for path in paths or []:
-            path = Path(path)
-            try:
-                raw = json.loads(path.read_text())
-            except (OSError, json.JSONDecodeError) as e:
-                raise StudyError(f"{path}: --reuse needs a study table ({e})") from None
-            if not isinstance(raw, dict) or "plan" not in raw:
-                raise StudyError(f"{path}: --reuse needs a study table (no 'plan' in it)")
-            p = raw["plan"]
-            donor = Plan(p["name"], tuple(p["arms"]), tuple(p["seeds"]), tuple(p["evals"]), p["settings"], str(path))
-            if donor.name == plan.name:
-                raise StudyError(f"{path}: --reuse takes other plans' tables, not this plan's own")
-            self.tables.append((donor, StudyTable(path, donor)))
+        self.plan, self.table, self.tables = plan, table, donor_tables(plan, paths)
         self._arms: dict[str, list] = {}
 
     @staticmethod

@@ -256,6 +256,26 @@ class StudyTable:
                 **compare_seeds([c["correct"] for c in a], [c["correct"] for c in b], **kw)}
 
 
+def donor_tables(plan: Plan, paths) -> list[tuple[Plan, StudyTable]]:
+    """Other plans' study tables (a driver's --reuse), each with the plan stored in it; one line naming the file for
+    a path that is not a study table, or is this plan's own."""
+    out = []
+    for path in paths or []:
+        path = Path(path)
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise StudyError(f"{path}: --reuse needs a study table ({e})") from None
+        if not isinstance(raw, dict) or "plan" not in raw:
+            raise StudyError(f"{path}: --reuse needs a study table (no 'plan' in it)")
+        p = raw["plan"]
+        donor = Plan(p["name"], tuple(p["arms"]), tuple(p["seeds"]), tuple(p["evals"]), p["settings"], str(path))
+        if donor.name == plan.name:
+            raise StudyError(f"{path}: --reuse takes other plans' tables, not this plan's own")
+        out.append((donor, StudyTable(path, donor)))
+    return out
+
+
 def subset(flag: str, given, planned) -> list:
     """A driver's --seeds / --arms / --evals: the plan's items in the given order, or all of them (None). It only
     orders or limits what one run does, never what a cell means; an item the plan does not list is refused."""
