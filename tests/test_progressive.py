@@ -549,6 +549,14 @@ def test_mask_discrepancy_runs_for_mdm_and_pu(tiny_tokenizer):
         vals = [v for v in res["d_mask"].values() if v is not None]
         assert len(vals) >= 5 and all(-0.2 < v <= 2.0 for v in vals)
     assert mdm["problems_per_t"]["0.5"] == 3
+    # each problem's own values average to the reported D_mask(t) (for paired comparisons between runs)
+    for res in (mdm, pu):
+        assert len(res["per_problem"]) == 3 and all(len(v) == 9 for v in res["per_problem"])
+        for i, t in enumerate(res["d_mask"]):
+            vals = [v[i] for v in res["per_problem"] if v[i] is not None]
+            assert len(vals) == res["problems_per_t"][t]
+            if vals:
+                assert sum(vals) / len(vals) == pytest.approx(res["d_mask"][t], rel=1e-9)
 
 
 def test_pu_plus_random_initial_masking_and_loss_balance():

@@ -122,6 +122,30 @@ def test_sign_flip_p_reduces_to_mcnemar_for_one_seed_repeated():
     assert twice["p_value"] == pytest.approx(exact, abs=0.02)
 
 
+def test_compare_values_is_compare_seeds_on_outcomes_and_skips_missing_values():
+    from dlm.evaluation.stats import compare_values
+
+    rng = np.random.default_rng(5)
+    a = rng.random((3, 150)) < 0.6
+    b = rng.random((3, 150)) < 0.4
+    binary, values = compare_seeds(a, b, n_resamples=3000), compare_values(a, b, n_resamples=3000)
+    for k in ("difference", "low", "high", "p_value", "per_seed_difference", "consistent", "n"):
+        assert values[k] == pytest.approx(binary[k])  # the same resamples: the same CI and p
+    assert values["mean_a"] == pytest.approx(binary["accuracy_a"])
+    # continuous values, one problem missing in one seed, one problem missing everywhere
+    x = rng.normal(0.6, 0.1, size=(3, 40))
+    y = x - 0.05 + rng.normal(0, 0.01, size=(3, 40))
+    x[1, 3] = np.nan
+    y[:, 7] = np.nan
+    r = compare_values(x, y, n_resamples=2000)
+    assert r["n"] == 39  # problem 7 has no pair in any seed
+    want = np.mean([np.nanmean([x[s, i] - y[s, i] for s in range(3)]) for i in range(40) if i != 7])
+    assert r["difference"] == pytest.approx(want) and r["low"] < want < r["high"] and r["low"] > 0.04
+    assert r["consistent"] and r["p_value"] < 0.01
+    with pytest.raises(PairingError, match="shapes"):
+        compare_values([[1.0, 2.0]], [[1.0]])
+
+
 def test_compare_seeds_refuses_unpaired_input_and_formats():
     with pytest.raises(PairingError, match="seeds"):
         compare_seeds([[1, 0]], [[1, 0], [0, 1]])

@@ -136,12 +136,15 @@ def pu_masks(model, prompt: Sequence[int], response: Sequence[int], eos_id: int,
 
 def mask_discrepancy(model, tok, records: Sequence[dict], training: str, construction=None, u: int = 2,
                      n_train: int = 32, n_problems: int = 50, seed: int = 0, progress: bool = True) -> dict:
-    """D_mask(t) on the grid for `training` in {"mdm", "pu"} (PU needs its construction)."""
+    """D_mask(t) on the grid for `training` in {"mdm", "pu"} (PU needs its construction), averaged over problems,
+    and each problem's own values (`per_problem`: one list per problem, in GRID order, None where a ratio got no
+    inference mask or fewer than two training masks) for paired comparisons between runs."""
     from tqdm import tqdm
 
     generator = torch.Generator().manual_seed(seed)
     sums = {t: 0.0 for t in GRID}
     counts = {t: 0 for t in GRID}
+    per_problem = []
     model.eval()
     for r in tqdm(records[:n_problems], desc=f"mask discrepancy ({training})", disable=not progress):
         prompt, response = encode_pair(tok, r["prompt"], r["response"])
@@ -150,18 +153,23 @@ def mask_discrepancy(model, tok, records: Sequence[dict], training: str, constru
         if training == "pu":
             bins = pu_masks(model, prompt, response, tok.eos_token_id, tok.mask_token_id, construction, n_train,
                             generator)
+        values = []
         for t in GRID:
             if t not in inf:
+                values.append(None)
                 continue
             masks = mdm_masks(N, t, n_train, generator) if training == "mdm" else (
                 torch.stack(bins[t]) if len(bins[t]) >= 2 else None)
             if masks is None:
+                values.append(None)
                 continue
-            sums[t] += mmd2(masks, inf[t], 0.2 * N)
+            values.append(mmd2(masks, inf[t], 0.2 * N))
+            sums[t] += values[-1]
             counts[t] += 1
+        per_problem.append(values)
     return {"training": training, "u": u, "n_problems": min(n_problems, len(records)), "n_train_masks": n_train,
             "d_mask": {str(t): (sums[t] / counts[t] if counts[t] else None) for t in GRID},
-            "problems_per_t": {str(t): counts[t] for t in GRID}}
+            "problems_per_t": {str(t): counts[t] for t in GRID}, "per_problem": per_problem}
 
 
 class RunConstruction(NamedTuple):

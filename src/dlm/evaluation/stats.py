@@ -92,6 +92,56 @@ def format_comparison(result: dict) -> str:
     return ", ".join(parts)
 
 
+def _bootstrap_ci(d: np.ndarray, rng, n_resamples: int, confidence: float) -> tuple[float, float]:
+    """Percentile bootstrap CI of mean(d), resampling its entries (problems) with replacement."""
+    n = len(d)
+    boot = np.empty(n_resamples)
+    for i in range(0, n_resamples, 1000):  # chunks of 1000 resamples keep memory at 1000 x n
+        idx = rng.integers(0, n, size=(min(1000, n_resamples - i), n))
+        boot[i:i + len(idx)] = d[idx].mean(axis=1)
+    alpha = 1 - confidence
+    low, high = (float(q) for q in np.quantile(boot, [alpha / 2, 1 - alpha / 2]))
+    return low + 0.0, high + 0.0
+
+
+def _sign_flip_p(d: np.ndarray, rng, n_resamples: int) -> float:
+    """Two-sided sign-flip randomisation p of mean(d) = 0 (each problem's difference symmetric under H0)."""
+    hits, observed = 0, abs(d.sum()) - 1e-12
+    for i in range(0, n_resamples, 1000):
+        signs = rng.choice(np.array([-1.0, 1.0]), size=(min(1000, n_resamples - i), len(d)))
+        hits += int(np.sum(np.abs(signs @ d) >= observed))
+    return (hits + 1) / (n_resamples + 1)
+
+
+def compare_values(a: Sequence[Sequence[float]], b: Sequence[Sequence[float]], n_resamples: int = 10000,
+                   confidence: float = 0.95, seed: int = 0) -> dict:
+    """`compare_seeds` for a continuous per-problem measure (e.g. a mask discrepancy): `a[s][i]`, `b[s][i]` are
+    problem i's values in seed s, NaN where one is missing. A problem's difference is a − b averaged over the seeds
+    where both have a value; problems with none are left out (`n` counts the rest). Returns per-arm means ± sd over
+    seeds, per-seed mean differences, a bootstrap CI over problems and a sign-flip p."""
+    A, B = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    if A.shape != B.shape or A.ndim != 2 or not A.size:
+        raise PairingError(f"compare_values: arms have shapes {A.shape} and {B.shape}; pass seeds x problems alike")
+    if not 0 < confidence < 1:
+        raise DlmError(f"compare_values: confidence={confidence} must lie strictly between 0 and 1, e.g. 0.95")
+    both = ~(np.isnan(A) | np.isnan(B))
+    D = np.where(both, A - B, 0.0)
+    kept = both.any(axis=0)
+    if not kept.any():
+        raise PairingError("compare_values: no problem has a value in both arms")
+    d = D[:, kept].sum(axis=0) / both[:, kept].sum(axis=0)
+    rng = np.random.default_rng(seed)
+    low, high = _bootstrap_ci(d, rng, n_resamples, confidence)
+    per_seed = [float(D[s][both[s]].mean()) if both[s].any() else float("nan") for s in range(len(A))]
+    mean_a, sd_a = mean_sd([float(np.nanmean(np.where(both[s], A[s], np.nan))) for s in range(len(A))])
+    mean_b, sd_b = mean_sd([float(np.nanmean(np.where(both[s], B[s], np.nan))) for s in range(len(B))])
+    diff = float(d.mean())
+    return {"n": int(kept.sum()), "n_seeds": len(A), "mean_a": mean_a, "sd_a": sd_a, "mean_b": mean_b, "sd_b": sd_b,
+            "difference": diff, "per_seed_difference": per_seed, "low": low, "high": high,
+            "confidence": confidence, "p_value": float(_sign_flip_p(d, rng, n_resamples)), "test": "sign-flip",
+            "consistent": bool(diff != 0 and all(x * diff > 0 for x in per_seed))}
+
+
 def compare_seeds(a: Sequence[Sequence[bool]], b: Sequence[Sequence[bool]], n_resamples: int = 10000,
                   confidence: float = 0.95, seed: int = 0) -> dict:
     """Paired comparison over seeds: `a[s][i]`, `b[s][i]` are the outcomes of problem i in seed s (the same problems
@@ -114,21 +164,8 @@ def compare_seeds(a: Sequence[Sequence[bool]], b: Sequence[Sequence[bool]], n_re
     d = (A - B).mean(axis=0)
     diff = float(d.mean())
     rng = np.random.default_rng(seed)
-    boot = np.empty(n_resamples)
-    for i in range(0, n_resamples, 1000):  # chunks of 1000 resamples keep memory at 1000 x n
-        idx = rng.integers(0, n, size=(min(1000, n_resamples - i), n))
-        boot[i:i + len(idx)] = d[idx].mean(axis=1)
-    alpha = 1 - confidence
-    low, high = (float(q) for q in np.quantile(boot, [alpha / 2, 1 - alpha / 2]))
-    if len(pairs) == 1:
-        p = mcnemar_exact(*pairs[0])["p_value"]
-    else:
-        hits = 0
-        observed = abs(d.sum()) - 1e-12
-        for i in range(0, n_resamples, 1000):
-            signs = rng.choice(np.array([-1.0, 1.0]), size=(min(1000, n_resamples - i), n))
-            hits += int(np.sum(np.abs(signs @ d) >= observed))
-        p = (hits + 1) / (n_resamples + 1)
+    low, high = _bootstrap_ci(d, rng, n_resamples, confidence)
+    p = mcnemar_exact(*pairs[0])["p_value"] if len(pairs) == 1 else _sign_flip_p(d, rng, n_resamples)
     acc_a, acc_b = A.mean(axis=1), B.mean(axis=1)
     per_seed = (acc_a - acc_b).tolist()
     mean_a, sd_a = mean_sd(acc_a)
