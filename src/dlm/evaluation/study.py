@@ -171,6 +171,19 @@ class StudyTable:
             self._write()
         return cell
 
+    def add_measure(self, arm: str, seed: int, key: str, values: list, *, problems: str, **extra) -> dict:
+        """Store one cell of a measure other than accuracy: `values` has one entry per problem (a number, or a list
+        of numbers such as D_mask at each masking ratio, None where missing), so two arms can be paired by problem."""
+        self._check(arm, seed, key)
+        cell = {"arm": arm, "seed": seed, "eval": key, "n": len(values), "problems": problems, "values": values,
+                **extra}
+        with self._locked():
+            if self.has(arm, seed, key):
+                raise StudyError(f"{self.path}: cell ({arm}, seed {seed}, {key}) already exists")
+            self.cells.append(cell)
+            self._write()
+        return cell
+
     @contextlib.contextmanager
     def _locked(self):
         """Hold the table's directory lock and take in what other processes wrote since: two drivers (e.g. one per
