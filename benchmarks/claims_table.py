@@ -45,6 +45,8 @@ VERDICT_RULE = """\
 - **not run**: no seed has both cells yet (or nothing was measured).
 - Claims that an arm *matches* another (`not worse than by more than m points`): *reproduced* when, with at least
   3 seeds, the CI's lower end is above −m; *not* when the mean difference is below −m; *partly* otherwise.
+- Claims about a per-problem measure where less is the claim (the mask discrepancy D_mask): the same rule with the
+  sign turned, on the difference of the measure (`dlm.evaluation.stats.compare_values`).
 
 The difference is arm a − arm b in accuracy on the same problems, averaged over seeds per problem; the CI resamples
 problems (`dlm.evaluation.stats.compare_seeds`: 10,000 bootstrap resamples; p: exact McNemar for one seed, a
@@ -142,8 +144,9 @@ def _check_claim(claim, where: str) -> None:
         if set(s) - _STUDY:
             raise ClaimsError(f"{where}: unknown field(s) {sorted(set(s) - _STUDY)} in evidence.study")
         expect = s.setdefault("expect", "higher")
-        if expect not in ("higher", "not_lower"):
-            raise ClaimsError(f"{where}: field 'evidence.study.expect' must be higher or not_lower, got {expect!r}")
+        if expect not in ("higher", "not_lower", "lower"):
+            raise ClaimsError(f"{where}: field 'evidence.study.expect' must be higher, not_lower or (for a measure "
+                              f"such as D_mask, where less is the claim) lower, got {expect!r}")
         margin = s.get("margin")
         if expect == "not_lower" and not (isinstance(margin, (int, float)) and margin >= 0):
             raise ClaimsError(f"{where}: field 'evidence.study.margin' (accuracy points >= 0) is needed with "
@@ -255,7 +258,15 @@ def study_evidence(ref: dict, results: Path, plans: Path, where: str) -> dict:
     seeds = [s for s in plan.seeds if table.has(ref["arm_a"], s, ref["eval"]) and table.has(ref["arm_b"], s, key_b)]
     out["done"] = len(seeds)
     out["frozen"] = len(seeds) < planned and bool(lost_starts(plan, table, plans))
-    if seeds:
+    out["measure"] = any("values" in c for c in table.cells)  # a per-problem measure (D_mask), not accuracy
+    if out["measure"] != (ref["expect"] == "lower"):
+        raise ClaimsError(f"{where}: field 'evidence.study.expect': {ref['expect']!r} "
+                          + ("does not apply to a measure table (write lower or higher)" if out["measure"] else
+                             "lower applies to a measure table only; this one holds accuracy"))
+    if seeds and out["measure"]:
+        out["result"] = _measure_study().compare(table, {"a": ref["arm_a"], "b": ref["arm_b"], "eval": ref["eval"],
+                                                         "expect": ref["expect"]})
+    elif seeds:
         try:
             out["result"] = table.compare(ref["arm_a"], ref["arm_b"], ref["eval"], key_b)
         except (StudyError, DlmError) as e:
@@ -271,6 +282,14 @@ def study_evidence(ref: dict, results: Path, plans: Path, where: str) -> dict:
         out["preregistered"] = any(p in planned_pairs for p in ((ref["arm_a"], ref["arm_b"], ref["eval"], key_b),
                                                                 (ref["arm_b"], ref["arm_a"], ref["eval"], key_b)))
     return out
+
+
+def _measure_study():
+    """benchmarks/mask_discrepancy_study.py: the pairing and verdict of a measure table (one definition of both)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import mask_discrepancy_study
+
+    return mask_discrepancy_study
 
 
 def check_legacy(leg: dict, results: Path, where: str) -> None:
@@ -331,7 +350,20 @@ def build_rows(data: dict, results: Path, plans: Path) -> list[dict]:
             plan_link = f"[{ref['plan']}]({st['link']})" if st["link"] else ref["plan"]
             status = f"plan {plan_link}: {st['done']}/{st['planned']} seeds" + (
                 " (frozen: its pinned starts are lost)" if st.get("frozen") else "")
-        if st is not None and st["result"] is not None:
+        if st is not None and st["result"] is not None and st["measure"]:
+            r = st["result"]
+            row.update(
+                dlm_number=f"{ref['arm_a']} {r['mean_a']:.3f} vs {ref['arm_b']} {r['mean_b']:.3f} "
+                           f"({r['difference']:+.3f}), {ref['eval']}",
+                n=str(r["n"]), seeds=f"{st['done']}/{st['planned']}",
+                ci=f"[{r['low']:+.3f}, {r['high']:+.3f}], p = {r['p_value']:#.2g}", verdict_text=r["verdict"],
+                link=plan_link, kind=r["verdict"],
+                note="; ".join(x for x in (
+                    f"claim: {ref['arm_a']} {ref['expect']} than {ref['arm_b']}",
+                    " ".join(ref["note"].split()).rstrip(".") if ref.get("note") else None,
+                    f"earlier one-seed measurement ({ev['legacy']['doc']}): {ev['legacy']['number']}"
+                    if "legacy" in ev else None) if x))
+        elif st is not None and st["result"] is not None:
             r = st["result"]
             label_a = ref["arm_a"] + (f" {ref['eval']}" if ref.get("eval_b") else "")
             label_b = ref["arm_b"] + (f" {ref['eval_b']}" if ref.get("eval_b") else "")

@@ -277,3 +277,31 @@ def test_a_plan_whose_pinned_start_is_not_kept_is_frozen(tmp_path):
     (tmp_path / "starts" / "starts.json").write_text(json.dumps({"w": {"path": "runs/w", "fingerprint": "abc"}}))
     assert claims_table.build_rows(data, results, plans)[0]["seeds"] == "2/3"
     assert {p["plan"]: p for p in claims_table.plan_progress(results, plans)}["toy"]["lost"] == []
+
+
+def test_a_measure_table_gets_its_verdict_in_the_claimed_direction(tmp_path):
+    """A per-problem measure (D_mask: lower is the claim) is paired by problem like accuracy, with expect: lower."""
+    plans, results = tmp_path / "plans", tmp_path / "results"
+    plans.mkdir()
+    results.mkdir()
+    (plans / "dm.yaml").write_text("name: dm\narms: [pu, mdm]\nseeds: [0, 1, 2]\nevals: [u=2]\n"
+                                   "settings: {comparisons: [{a: pu, b: mdm, eval: u=2, expect: lower}]}\n")
+    table = StudyTable(results / "dm.json", Plan.load(plans / "dm.yaml"))
+    rng = np.random.default_rng(1)
+    for seed in (0, 1, 2):
+        base = rng.uniform(0.4, 0.9, size=(40, 9))
+        for arm, shift in (("pu", -0.1), ("mdm", 0.0)):
+            values = (base + shift + rng.normal(0, 0.02, size=base.shape)).tolist()
+            values[3][4] = None  # a ratio one arm lacks for one problem
+            table.add_measure(arm, seed, "u=2", values, problems="p")
+    claims = tmp_path / "claims.yaml"
+    claims.write_text("claims:\n" + _claim("dm", "study: {plan: dm, arm_a: pu, arm_b: mdm, eval: u=2, expect: lower}")
+                      + _claim("up", "study: {plan: dm, arm_a: mdm, arm_b: pu, eval: u=2, expect: lower}"))
+    _run(claims, results, plans)
+    rows = {line.split("|")[1].strip(" `"): [c.strip() for c in line.split("|")[1:-1]]
+            for line in (results / "README.md").read_text().splitlines() if line.startswith("| `")}
+    assert rows["dm"][7] == "**reproduced**" and rows["up"][7] == "**not**"
+    assert rows["dm"][3].startswith("pu 0.") and "(-0.1" in rows["dm"][3] and rows["dm"][4] == "40"
+    claims.write_text("claims:\n" + _claim("dm", "study: {plan: dm, arm_a: pu, arm_b: mdm, eval: u=2}"))
+    with pytest.raises(ClaimsError, match="does not apply to a measure table"):
+        _run(claims, results, plans)
