@@ -14,9 +14,9 @@ seeds, the CI wholly on the claimed side and every seed's difference on it; **pa
 but short of this; **not** otherwise.
 
     OMP_NUM_THREADS=1 python benchmarks/mask_discrepancy_study.py run \\
-        --plan benchmarks/plans/pumba-mask-discrepancy.yaml --max-minutes 120
-    python benchmarks/mask_discrepancy_study.py report --plan benchmarks/plans/pumba-mask-discrepancy.yaml \\
-        --doc docs/results/pumba-mask-discrepancy.md
+        --plan benchmarks/plans/pumba-dmask.yaml --max-minutes 120
+    python benchmarks/mask_discrepancy_study.py report --plan benchmarks/plans/pumba-dmask.yaml \\
+        --doc docs/results/pumba-dmask.md
 
 The table is docs/results/<plan name>.json unless --json says otherwise; rerunning continues where it stopped.
 """

@@ -108,6 +108,6 @@ def test_plan_errors_name_the_field(tmp_path):
     path.write_text(yaml.safe_dump(plan))
     with pytest.raises(StudyError, match="u=N"):
         study.check_plan(Plan.load(path))
-    committed = Plan.load(ROOT / "benchmarks" / "plans" / "pumba-mask-discrepancy.yaml")
+    committed = Plan.load(ROOT / "benchmarks" / "plans" / "pumba-dmask.yaml")
     study.check_plan(committed)
     assert json.loads(json.dumps(committed.settings["comparisons"]))[0]["expect"] == "lower"
