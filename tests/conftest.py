@@ -119,3 +119,21 @@ def assert_batched_equals_one_by_one(generate, model, prompts, *args, **kwargs):
         assert (alone.tokens[0], alone.nfe[0]) == (toks, nfe)
         width = alone.trace[0]["confidence"].shape[1] - len(p)  # the generated region closes every canvas
         assert_same_confidences(batched, alone, width, rows=(row, 0))
+
+
+def tiny_mdm_warm_start(tmp_path):
+    """(warm start run dir, data dir): one update of a tiny MDM on a small tinymath easy split, the shared start of
+    the study-driver tests."""
+    from pathlib import Path
+
+    from dlm.config import load_recipe
+    from dlm.training import loop
+
+    data = tmp_path / "data"
+    root = Path(__file__).resolve().parents[1]
+    warm = loop.train(load_recipe(root / "recipes" / "tinymath" / "mdm.yaml", [
+        f"data.dir={data}", "data.level=easy", "data.n_train=64", "data.n_validation=4", "data.n_test=6",
+        "model.init_from=null", "model.preset=tiny", "model.vocab_size=300", "model.max_length=160",
+        "model.label_shift=false", "train.batch_size=4", "train.steps=1", "eval.n=2", "eval.test_n=2",
+        "eval.max_new_tokens=16", f"out_dir={tmp_path / 'warm'}"]), progress=False)
+    return warm, data

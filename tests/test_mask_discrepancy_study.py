@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from dlm.evaluation.study import Plan, StudyError, StudyTable
+from tests.conftest import tiny_mdm_warm_start
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,15 +40,9 @@ def _plan(tmp_path, warm, data, **extra) -> Path:
 def test_mask_discrepancy_study_runs_resumes_and_reports(tmp_path, monkeypatch):
     import mask_discrepancy_study as study
 
-    from dlm.config import load_recipe
     from dlm.training import loop
 
-    data = tmp_path / "data"
-    warm = loop.train(load_recipe(ROOT / "recipes" / "tinymath" / "mdm.yaml", [
-        f"data.dir={data}", "data.level=easy", "data.n_train=64", "data.n_validation=4", "data.n_test=6",
-        "model.init_from=null", "model.preset=tiny", "model.vocab_size=300", "model.max_length=160",
-        "model.label_shift=false", "train.batch_size=4", "train.steps=1", "eval.n=2", "eval.test_n=2",
-        "eval.max_new_tokens=16", f"out_dir={tmp_path / 'warm'}"]), progress=False)
+    warm, data = tiny_mdm_warm_start(tmp_path)
     plan, table_path, runs = _plan(tmp_path, warm, data), tmp_path / "dmask.json", tmp_path / "runs"
     assert study.run(plan, table_path, runs, seeds=[0]) == 2
     assert study.run(plan, table_path, runs) == 2  # seed 1 only

@@ -12,7 +12,7 @@ import torch
 import yaml
 
 from dlm.evaluation.study import STUDY_BEGIN, STUDY_END, Plan, StudyError, StudyTable
-from tests.conftest import perturb, tiny_model
+from tests.conftest import perturb, tiny_mdm_warm_start, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 ROOT = Path(__file__).resolve().parents[1]
@@ -145,15 +145,9 @@ def _smoke_plan(tmp_path, warm, data, w1_updates=2):
 def test_pumba_study_smoke_run_resumes_and_refuses_a_changed_plan(tmp_path, monkeypatch, capsys):
     import pumba_study
 
-    from dlm.config import load_recipe
     from dlm.training import loop
 
-    data = tmp_path / "data"
-    warm = loop.train(load_recipe(ROOT / "recipes" / "tinymath" / "mdm.yaml", [
-        f"data.dir={data}", "data.level=easy", "data.n_train=64", "data.n_validation=4", "data.n_test=6",
-        "model.init_from=null", "model.preset=tiny", "model.vocab_size=300", "model.max_length=160",
-        "model.label_shift=false", "train.batch_size=4", "train.steps=1", "eval.n=2", "eval.test_n=2",
-        "eval.max_new_tokens=16", f"out_dir={tmp_path / 'warm'}"]), progress=False)
+    warm, data = tiny_mdm_warm_start(tmp_path)
     plan, table_path, runs = _smoke_plan(tmp_path, warm, data), tmp_path / "smoke.json", tmp_path / "runs"
     (data / "test_unseen.jsonl").unlink(missing_ok=True)  # the unseen split arrives later in this test
 

@@ -164,12 +164,7 @@ class StudyTable:
                 "accuracy": sum(correct) / max(len(correct), 1), "problems": problems,
                 "correct": [int(c) for c in correct],
                 **{k: result[k] for k in ("mean_nfe", "ms_per_problem") if k in result}, **extra}
-        with self._locked():
-            if self.has(arm, seed, key):
-                raise StudyError(f"{self.path}: cell ({arm}, seed {seed}, {key}) already exists")
-            self.cells.append(cell)
-            self._write()
-        return cell
+        return self._append(cell)
 
     def add_measure(self, arm: str, seed: int, key: str, values: list, *, problems: str, **extra) -> dict:
         """Store one cell of a measure other than accuracy: `values` has one entry per problem (a number, or a list
@@ -177,9 +172,13 @@ class StudyTable:
         self._check(arm, seed, key)
         cell = {"arm": arm, "seed": seed, "eval": key, "n": len(values), "problems": problems, "values": values,
                 **extra}
+        return self._append(cell)
+
+    def _append(self, cell: dict) -> dict:
         with self._locked():
-            if self.has(arm, seed, key):
-                raise StudyError(f"{self.path}: cell ({arm}, seed {seed}, {key}) already exists")
+            if self.has(cell["arm"], cell["seed"], cell["eval"]):
+                raise StudyError(f"{self.path}: cell ({cell['arm']}, seed {cell['seed']}, {cell['eval']}) already "
+                                 "exists")
             self.cells.append(cell)
             self._write()
         return cell
