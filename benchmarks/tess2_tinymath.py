@@ -193,6 +193,123 @@ def merge_json(path: str | Path, key: str, value) -> None:
     os.replace(tmp, path)
 
 
+# ---- the easy study's doc: its tables, generated from the JSON the sections wrote --------------------------------
+EASY_LABELS = {"untrained-simplex": "untrained (random init)",
+               "ar-as-simplex": "AR weights as a simplex model, before adaptation",
+               "adapt-ar": "adapted from AR (300 updates)", "adapt-scratch": "trained from scratch (300 updates)",
+               "sft-ar": "adapted from AR + SFT", "sft-scratch": "from scratch + SFT",
+               "references": "references (data)", "ar-model": "AR baseline"}
+EASY_BLOCKS = ("adapt", "steps", "guidance", "speed", "intrinsic")
+
+
+def _label(model: str) -> str:
+    return EASY_LABELS.get(Path(model).name, Path(model).name)
+
+
+def _paired_lines(rows: list[dict], key: str, base_value) -> list[str]:
+    """McNemar + bootstrap CI of every row against the row whose `key` is `base_value` (rows keeping `correct`)."""
+    from dlm.evaluation.stats import compare, format_comparison
+
+    base = next((r for r in rows if r[key] == base_value), None)
+    if base is None or "correct" not in base:
+        return ["(No per-problem outcomes in this JSON, so no paired comparison: it predates the sections that keep "
+                "them. Regenerating it with the commands above adds them.)"]
+    return [f"- {key} {r[key]:g} vs {base_value:g}: {format_comparison(compare(r['correct'], base['correct']))}"
+            for r in rows if r is not base and "correct" in r]
+
+
+def easy_blocks(data: dict) -> dict[str, list[str]]:
+    """The markdown of each generated block of docs/results/tess2-tinymath.md, from its JSON."""
+    out: dict[str, list[str]] = {}
+    if "test_eval" in data:
+        te = data["test_eval"]
+
+        def acc(name):
+            r = te.get(name)
+            return f"{100 * r['eval/accuracy']:.1f} %" if r else "–"
+        n = next((r["eval/n"] for r in te.values() if "eval/n" in r), "–")
+        lines = [f"Accuracy on the {n} test problems at the end of each stage (each run's own test evaluation, "
+                 "`test_eval`):", "", "| start | after adaptation (UL2) | after + SFT (prefix-LM) |", "|---|---|---|",
+                 f"| AR checkpoint | {acc('adapt-ar')} | {acc('sft-ar')} |",
+                 f"| random initialisation | {acc('adapt-scratch')} | {acc('sft-scratch')} |"]
+        rows = [r for k in ("loss-adapt", "loss-sft") if k in data for r in data[k]["result"]]
+        if rows:
+            n = data.get("loss-adapt", data.get("loss-sft"))["n"]
+            lines += ["", f"Held-out diffusion loss ({n} validation problems; the same timesteps, noise, spans and "
+                      "self-conditioning draws for every model), by which positions are generated:", "",
+                      "| model | response (prefix-LM on the prompt) | UL2 T5 (~15 %) | UL2 aggressive T5 (~50 %) | "
+                      "UL2 prefix-LM (2nd half) |", "|---|---|---|---|---|"]
+            lines += [f"| {_label(r['model'])} | " + " | ".join(
+                f"{r[k]:.3f}" if r[k] < 1 else f"{r[k]:.2f}" if r[k] >= 5 else f"{r[k]:.3f}"
+                for k in ("response", "ul2_t5", "ul2_aggressive_t5", "ul2_prefix_lm")) + " |" for r in rows]
+        out["adapt"] = lines
+    if "steps-sft-ar" in data:
+        sec = data["steps-sft-ar"]
+        rows = sec["result"]
+        lines = [f"`{sec['model'][0]}`, the first {sec['n']} test problems, argmax projection, no early stop:", "",
+                 "| inference steps | " + " | ".join(str(r["inference_steps"]) for r in rows) + " |",
+                 "|---|" + "---|" * len(rows),
+                 "| accuracy | " + " | ".join(f"{100 * r['accuracy']:.0f} %" for r in rows) + " |",
+                 "| ms / problem (batch 50) | " + " | ".join(f"{r['ms_per_problem']:,.0f}" for r in rows) + " |"]
+        if "steps-sft-scratch" in data:
+            sc = data["steps-sft-scratch"]["result"]
+            lines += ["", "From scratch + SFT: " + ", ".join(f"{100 * r['accuracy']:.0f} % at {r['inference_steps']} "
+                                                             "steps" for r in sc) + "."]
+        lines += ["", "Paired by problem against 10 steps (exact McNemar, bootstrap CI over problems):", ""]
+        lines += _paired_lines(rows, "inference_steps", rows[0]["inference_steps"])
+        out["steps"] = lines
+    if "guidance" in data:
+        rows = sorted([r for k in ("guidance", "guidance-large") if k in data for r in data[k]["result"]],
+                      key=lambda r: r["eta"])
+        sec = data["guidance"]
+        lines = [f"`{sec['model'][0]}`, {rows[0]['inference_steps']} steps, the first {sec['n']} test problems; the "
+                 f"references' mean reward is {rows[0]['reference_reward']:.2f}:", "",
+                 "| η | " + " | ".join(f"{r['eta']:g}" for r in rows) + " |", "|---|" + "---|" * len(rows),
+                 "| accuracy | " + " | ".join(f"{100 * r['accuracy']:.0f} %" for r in rows) + " |",
+                 "| mean reward of the outputs | " + " | ".join(f"{r['mean_reward']:.3f}" for r in rows) + " |"]
+        if "reward" in data.get("test_eval", {}):
+            r = data["test_eval"]["reward"]
+            lines += ["", f"The reward model ranks {100 * r['eval/accuracy']:.1f} % of the {r['eval/n']} held-out "
+                      "test pairs correctly."]
+        lines += ["", "Paired by problem against η = 0:", ""] + _paired_lines(rows, "eta", 0.0)
+        out["guidance"] = lines
+    if "speed" in data:
+        res = data["speed"]["result"]
+        rows = res["rows"]
+        lines = [f"`{data['speed']['model'][0]}` ({res['params_simplex'] / 1e6:.2f} M parameters) against the AR "
+                 f"baseline with a KV cache ({res['params_ar'] / 1e6:.2f} M), {res['batch']} test prompts in one batch "
+                 f"(mean {res['prompt_tokens_mean']:.1f} prompt tokens), exactly {res['gen_length']} output positions "
+                 f"for both, best of the repeats after a warm-up, {res['threads']} thread, one process:", "",
+                 "| simplex inference steps B | " + " | ".join(str(r["inference_steps"]) for r in rows) + " |",
+                 "|---|" + "---|" * len(rows),
+                 "| simplex s / batch | " + " | ".join(f"{r['simplex_s']:.2f}" for r in rows) + " |",
+                 "| AR (KV cache) s / batch | " + " | ".join(f"{r['ar_s']:.2f}" for r in rows) + " |",
+                 "| **time ratio simplex / AR** | " + " | ".join(f"**{r['ratio']:.1f}×**" for r in rows) + " |"]
+        out["speed"] = lines
+    if "intrinsic" in data:
+        sec = data["intrinsic"]
+        lines = [f"The first {sec['n']} test problems; held-out model `{sec['reference_model']}`:", "",
+                 "| generations of | perplexity | dist-1 | dist-2 | dist-3 | dist-4 | unigram entropy | MAUVE | "
+                 "accuracy |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in sec["rows"]:
+            accuracy = f"{100 * r['accuracy']:.0f} %" if "accuracy" in r else "—"
+            lines.append(f"| {_label(r['model'])} | " + " | ".join(
+                f"{r[k]:.3f}" for k in ("perplexity", "dist_1", "dist_2", "dist_3", "dist_4", "unigram_entropy",
+                                        "mauve")) + f" | {accuracy} |")
+        out["intrinsic"] = lines
+    return out
+
+
+def report_easy(json_path: str | Path, doc: str | Path) -> list[str]:
+    """Rewrite every generated block of the easy doc from its JSON; returns the blocks written."""
+    data = json.loads(Path(json_path).read_text())
+    blocks = easy_blocks(data)
+    for name, lines in blocks.items():
+        write_study_section(doc, [f"<!-- written by benchmarks/tess2_tinymath.py report-easy from {json_path} -->",
+                                  *lines], name=name)
+    return list(blocks)
+
+
 # ---- the pre-registered study --------------------------------------------------------------------------------------
 class Study:
     """A plan's models (trained on first use, fingerprints pinned in the table) and its cells.
@@ -609,7 +726,7 @@ def plot_arms(plan: Plan, table: StudyTable, path: str | Path) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("section", choices=["init", "loss", "steps", "guidance", "speed", "intrinsic", "test-eval",
-                                        "study", "report"])
+                                        "study", "report", "report-easy"])
     ap.add_argument("model", nargs="*", help="simplex model (run or model dir); several for loss, intrinsic, "
                     "test-eval (training run dirs)")
     ap.add_argument("--data")
@@ -648,6 +765,12 @@ def main(argv=None) -> None:
 
 
 def run_section(args) -> None:
+    if args.section == "report-easy":
+        if not (args.json and args.doc):
+            raise DlmError("report-easy: pass --json docs/results/tess2-tinymath.json "
+                           "--doc docs/results/tess2-tinymath.md")
+        print(f"wrote {', '.join(report_easy(args.json, args.doc))} into {args.doc}")
+        return
     if args.section in ("study", "report"):
         if not (args.plan and args.json):
             raise DlmError("pass --plan PLAN.yaml and --json TABLE.json")

@@ -191,3 +191,13 @@ def test_study_section_replaces_only_the_marked_part(tmp_path):
     assert bare.read_text() == f"# Bare\n\n## Numbers (3-seed study)\n\n{STUDY_BEGIN}\nx\n{STUDY_END}\n"
     write_study_section(tmp_path / "sub" / "new.md", ["y"], title="Plan p")
     assert (tmp_path / "sub" / "new.md").read_text() == f"# Plan p\n\n## Numbers\n\n{STUDY_BEGIN}\ny\n{STUDY_END}\n"
+    # named blocks: each replaced on its own, the unnamed markers untouched
+    named = tmp_path / "named.md"
+    named.write_text("a\n<!-- study:begin one -->\n1\n<!-- study:end one -->\nb\n<!-- study:begin two -->\n2\n"
+                     f"<!-- study:end two -->\n{STUDY_BEGIN}\n3\n{STUDY_END}\n")
+    write_study_section(named, ["uno"], name="one")
+    write_study_section(named, ["dos"], name="two")
+    assert named.read_text() == ("a\n<!-- study:begin one -->\nuno\n<!-- study:end one -->\nb\n<!-- study:begin two -->"
+                                 f"\ndos\n<!-- study:end two -->\n{STUDY_BEGIN}\n3\n{STUDY_END}\n")
+    with pytest.raises(DlmError, match="no '<!-- study:begin three -->'"):
+        write_study_section(named, ["x"], name="three")

@@ -413,3 +413,24 @@ def test_reuse_takes_over_another_plans_cells_only_after_a_witness_seed(tmp_path
                                      [donor_table])._donor_arms("adapted")) == 1
     with pytest.raises(StudyError, match="not this plan's own"):
         tess2_tinymath.Donors(Plan.load(mine), StudyTable(table, Plan.load(mine)), [table])
+
+
+def test_easy_doc_tables_are_generated_from_its_json(tmp_path):
+    """docs/results/tess2-tinymath.md's tables are exactly what report-easy writes from the committed JSON (so the
+    doc and its JSON cannot drift apart), and rows that keep per-problem outcomes get paired comparisons."""
+    import shutil
+
+    import tess2_tinymath
+
+    root = Path(__file__).resolve().parents[1]
+    doc = tmp_path / "doc.md"
+    shutil.copy(root / "docs" / "results" / "tess2-tinymath.md", doc)
+    written = tess2_tinymath.report_easy(root / "docs" / "results" / "tess2-tinymath.json", doc)
+    assert written == list(tess2_tinymath.EASY_BLOCKS)
+    committed = (root / "docs" / "results" / "tess2-tinymath.md").read_text()
+    assert doc.read_text().replace(str(root / "docs" / "results") + "/", "docs/results/") == committed
+    data = {"steps-sft-ar": {"model": ["m"], "n": 4, "result": [
+        {"inference_steps": s, "accuracy": a, "ms_per_problem": 1.0, "correct": c}
+        for s, a, c in [(10, 0.5, [1, 1, 0, 0]), (25, 0.75, [1, 1, 1, 0])]]}}
+    lines = tess2_tinymath.easy_blocks(data)["steps"]
+    assert any(x.startswith("- inference_steps 25 vs 10: 75.0 % vs 50.0 % (n=4): +25.0 points") for x in lines)

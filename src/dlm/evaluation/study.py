@@ -301,19 +301,26 @@ def subset(flag: str, given, planned) -> list:
 STUDY_BEGIN, STUDY_END = "<!-- study:begin -->", "<!-- study:end -->"
 
 
-def write_study_section(doc: str | Path, lines: list[str], title: str | None = None) -> None:
-    """Write `lines` between the doc's `<!-- study:begin -->` and `<!-- study:end -->` markers, keeping everything
-    outside them (the hand-written reading) as written. A doc without the markers is a one-line error naming it,
-    unless `title` is given: then the section is appended under "## Numbers (3-seed study)", and a missing doc is
-    created as "# title"."""
+def study_markers(name: str | None = None) -> tuple[str, str]:
+    """The begin/end comments around a doc's generated numbers; a doc with several generated blocks names them
+    (`<!-- study:begin steps -->` … `<!-- study:end steps -->`)."""
+    return (f"<!-- study:begin {name} -->", f"<!-- study:end {name} -->") if name else (STUDY_BEGIN, STUDY_END)
+
+
+def write_study_section(doc: str | Path, lines: list[str], title: str | None = None, name: str | None = None) -> None:
+    """Write `lines` between the doc's `<!-- study:begin -->` and `<!-- study:end -->` markers (those of block `name`,
+    see `study_markers`), keeping everything outside them (the hand-written reading) as written. A doc without the
+    markers is a one-line error naming it, unless `title` is given: then the section is appended under
+    "## Numbers (3-seed study)", and a missing doc is created as "# title"."""
+    begin, end = study_markers(name)
     doc = Path(doc)
     text = doc.read_text() if doc.is_file() else ""
-    section = STUDY_BEGIN + "\n" + "\n".join(lines).strip("\n") + "\n" + STUDY_END
-    if STUDY_BEGIN in text and STUDY_END in text and text.index(STUDY_BEGIN) < text.index(STUDY_END):
-        head, rest = text.split(STUDY_BEGIN, 1)
-        text = head + section + rest.split(STUDY_END, 1)[1]
+    section = begin + "\n" + "\n".join(lines).strip("\n") + "\n" + end
+    if begin in text and end in text and text.index(begin) < text.index(end):
+        head, rest = text.split(begin, 1)
+        text = head + section + rest.split(end, 1)[1]
     elif title is None:
-        raise DlmError(f"{doc}: no '{STUDY_BEGIN}' ... '{STUDY_END}' markers; add them where the numbers go")
+        raise DlmError(f"{doc}: no '{begin}' ... '{end}' markers; add them where the numbers go")
     elif text:
         text = text.rstrip("\n") + "\n\n## Numbers (3-seed study)\n\n" + section + "\n"
     else:
