@@ -136,9 +136,89 @@ def merge_section(args) -> None:
     Path(args.out).write_text(json.dumps(merged, indent=2) + "\n")
 
 
+# ---- the doc's tables, generated from its JSON ---------------------------------------------------------------------
+def _name(model: str, references: str) -> str:
+    base = Path(model).name
+    seed = ", seed 1" if base.endswith("-s1") else ""
+    base = base.removesuffix("-s1")
+    return {"references": references, "tess2-adapt": "TESS 2 adapted from AR",
+            "tess2-scratch": "TESS 2 from scratch"}.get(base, base) + seed
+
+
+INTRINSIC_HEAD = ["| generations of | perplexity (95 % CI) | dist-1 | dist-2 | dist-3 | dist-4 | unigram entropy | "
+                  "MAUVE | mean tokens |", "|---|---|---|---|---|---|---|---|---|"]
+
+
+def _intrinsic_row(r: dict, references: str) -> str:
+    label = f"AR baseline, T = {r['temperature']:g}" if r.get("family") == "autoregressive" else \
+        _name(r["model"], references)
+    lo, hi = r["perplexity_ci95"]
+    return (f"| {label} | {r['perplexity']:.1f} ({lo:.1f}–{hi:.1f}) | " + " | ".join(
+        f"{r[k]:.3f}" for k in ("dist_1", "dist_2", "dist_3", "dist_4")) + f" | {r['unigram_entropy']:.2f} | "
+        f"{r['mauve']:.3f} | {r['mean_length']:.1f} |")
+
+
+def _loss_rows(result: list[dict]) -> list[str]:
+    return [f"| {_name(r['model'], '')} | " + " | ".join(
+        f"{r[k]:.2f}" for k in ("response", "ul2_t5", "ul2_aggressive_t5", "ul2_prefix_lm")) + " |" for r in result]
+
+
+def report_blocks(data: dict) -> dict[str, list[str]]:
+    """The markdown of each generated block of docs/results/tess2-shakespeare.md, from its JSON."""
+    out = {}
+    loss = data.get("heldout_simplex_loss_validation")
+    if loss:
+        out["loss"] = ["| model (500 updates) | response (prefix-LM on the prompt) | UL2 T5 spans (~15 %) | "
+                       "UL2 aggressive T5 (~50 %) | UL2 prefix-LM |", "|---|---|---|---|---|",
+                       *_loss_rows(loss["result"])]
+    for key, block, refs in (("intrinsic_prefix", "prefix", "references (the passages' rest)"),
+                             ("intrinsic_unconditional", "unconditional", "references (whole passages)")):
+        if key in data:
+            sec = data[key]
+            out[block] = [f"{sec['n']} prompts, at most {sec['max_new_tokens']} new tokens, held-out model "
+                          f"`{sec['reference_model']}`, MAUVE features: {sec['mauve_features']}:", "",
+                          *INTRINSIC_HEAD, *(_intrinsic_row(r, refs) for r in sec["rows"])]
+    if "ar_temperature_control_prefix" in data:
+        out["temperature"] = [*INTRINSIC_HEAD, *(_intrinsic_row(r, "")
+                                                for r in data["ar_temperature_control_prefix"].values())]
+    s1 = data.get("seed1")
+    if s1 and loss:
+        def train_loss(curve):
+            tail = [x["loss"] for x in curve[-5:]]
+            return f"{sum(tail) / len(tail):.2f}"
+
+        runs = {**data.get("training", {}), **s1.get("training", {})}
+        rows = []
+        for seed, result in ((0, loss["result"]), (1, s1["heldout_simplex_loss_validation"]["result"])):
+            for r in result:
+                name = Path(r["model"]).name
+                kind = "adapted from the AR" if name.startswith("tess2-adapt") else "from scratch"
+                rows.append((kind != "adapted from the AR", seed, f"| {kind} | {seed} | "
+                             f"{train_loss(runs[name]) if name in runs else '–'} | " + " | ".join(
+                                 f"{r[k]:.2f}" for k in ("response", "ul2_t5", "ul2_aggressive_t5", "ul2_prefix_lm"))
+                             + " |"))
+        out["seed1-loss"] = ["| simplex model, 500 updates | seed | training loss (last 5 logs) | held-out loss: "
+                             "response | UL2 T5 | UL2 aggressive T5 | UL2 prefix-LM |", "|---|---|---|---|---|---|---|",
+                             *(row for *_, row in sorted(rows))]
+        out["seed1-prefix"] = [*INTRINSIC_HEAD, *(_intrinsic_row(r, "references (the passages' rest)")
+                                                 for r in s1["intrinsic_prefix"]["rows"])]
+    return out
+
+
+def report(json_path, doc) -> list[str]:
+    """Rewrite every generated block of the doc from its JSON; returns the blocks written."""
+    from dlm.evaluation.study import write_study_section
+
+    blocks = report_blocks(json.loads(Path(json_path).read_text()))
+    for name, lines in blocks.items():
+        write_study_section(doc, [f"<!-- written by benchmarks/tess2_shakespeare.py report from {json_path} -->",
+                                  *lines], name=name)
+    return list(blocks)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("section", choices=["generate", "merge", "plot"])
+    ap.add_argument("section", choices=["generate", "merge", "plot", "report"])
     ap.add_argument("models", nargs="*", help="generate: run or model directories")
     ap.add_argument("--reference-model", help="generate: held-out AR model (other plays)")
     ap.add_argument("--data", help="generate: eval jsonl (prompt, response)")
@@ -152,7 +232,14 @@ def main() -> None:
     ap.add_argument("--runs", nargs="*", help="plot: run directories whose training loss to draw")
     ap.add_argument("--tables", nargs="*", help="plot, merge: outputs of `generate`")
     ap.add_argument("--out")
+    ap.add_argument("--json", help="report: the doc's JSON (docs/results/tess2-shakespeare.json)")
+    ap.add_argument("--doc", help="report: the doc whose study blocks are rewritten")
     args = ap.parse_args()
+    if args.section == "report":
+        if not (args.json and args.doc):
+            raise SystemExit("tess2_shakespeare.py report: pass --json JSON --doc DOC.md")
+        print(f"wrote {', '.join(report(args.json, args.doc))} into {args.doc}")
+        return
     if args.section in ("plot", "merge"):
         (plot_section if args.section == "plot" else merge_section)(args)
         return

@@ -434,3 +434,24 @@ def test_easy_doc_tables_are_generated_from_its_json(tmp_path):
         for s, a, c in [(10, 0.5, [1, 1, 0, 0]), (25, 0.75, [1, 1, 1, 0])]]}}
     lines = tess2_tinymath.easy_blocks(data)["steps"]
     assert any(x.startswith("- inference_steps 25 vs 10: 75.0 % vs 50.0 % (n=4): +25.0 points") for x in lines)
+
+
+def test_shakespeare_doc_tables_are_generated_from_its_json(tmp_path):
+    """docs/results/tess2-shakespeare.md's tables are exactly what `tess2_shakespeare.py report` writes from the
+    committed JSON: the doc and its JSON cannot drift apart."""
+    import shutil
+
+    import tess2_shakespeare
+
+    root = Path(__file__).resolve().parents[1]
+    results = root / "docs" / "results"
+    doc = tmp_path / "doc.md"
+    shutil.copy(results / "tess2-shakespeare.md", doc)
+    written = tess2_shakespeare.report(results / "tess2-shakespeare.json", doc)
+    assert written == ["loss", "prefix", "unconditional", "temperature", "seed1-loss", "seed1-prefix"]
+    committed = (results / "tess2-shakespeare.md").read_text()
+    assert doc.read_text().replace(str(results) + "/", "docs/results/") == committed
+    block = tess2_shakespeare.report_blocks({"heldout_simplex_loss_validation": {"n": 2, "result": [
+        {"model": "runs/x/tess2-adapt", "response": 4.771, "ul2_t5": 4.0, "ul2_aggressive_t5": 4.2,
+         "ul2_prefix_lm": 4.6}]}})["loss"]
+    assert block[-1] == "| TESS 2 adapted from AR | 4.77 | 4.00 | 4.20 | 4.60 |"
