@@ -4,7 +4,9 @@ The plan names its arms as benchmarks/pumba_study.py does (settings.arm_specs: r
 shared overrides), and each arm is trained the same way, seed s being its train.seed. A cell (arm, seed, "u=U") is
 D_mask(t) at t = 0.1 … 0.9 for the first n problems of settings.split (a file in settings.data), every problem's
 values kept: the training masks the arm's run produces against the masks of the greedy top-U sampler, 32 training
-masks per ratio (settings.n_train_masks), generator seed s (`dlm.evaluation.mask_discrepancy`).
+masks per ratio (settings.n_train_masks), generator seed s (`dlm.evaluation.mask_discrepancy`). A PU arm's masks cost
+up to settings.pu_pools x settings.pu_steps (default 5 x 64) forward passes of a 32-trajectory pool per problem, ~5 s
+each on a 2-core machine beside other jobs: size n from that (docs/results/pumba-dmask.md).
 
 The report pairs arms by problem. A problem's score is its mean D_mask over the ratios both arms have; the difference
 a − b is averaged over seeds per problem, with a bootstrap CI over problems and a sign-flip p
@@ -102,7 +104,8 @@ def run(plan_path, json_path=None, runs=None, seeds=None, arms=None, max_minutes
                 start = time.perf_counter()
                 res = mask_discrepancy(model, tok, problems, construction.training, construction.construction, u=u,
                                        n_train=plan.settings.get("n_train_masks", 32), n_problems=len(problems),
-                                       seed=seed, progress=False)
+                                       seed=seed, progress=False, pools=plan.settings.get("pu_pools", 5),
+                                       steps=plan.settings.get("pu_steps", 64))
                 seconds = time.perf_counter() - start
                 cell = table.add_measure(
                     arm, seed, key, res["per_problem"], problems=digest, training=construction.training,

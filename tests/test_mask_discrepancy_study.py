@@ -23,7 +23,7 @@ def _plan(tmp_path, warm, data, **extra) -> Path:
              "model.label_shift=false", "train.batch_size=4", "train.checkpoint_every=1", "train.log_every=1",
              "eval.n=2", "eval.test_n=2", "eval.max_new_tokens=16", "eval.batch_size=4"]
     plan = {"name": "dmask-smoke", "arms": ["mdm", "pu"], "seeds": [0, 1], "evals": ["u=2"],
-            "settings": {"data": str(data), "split": "validation.jsonl", "n": 3, "n_train_masks": 4,
+            "settings": {"data": str(data), "split": "validation.jsonl", "n": 3, "n_train_masks": 4, "pu_pools": 1,
                          "starts": {"warm_start": {"path": str(warm), "commands": ["(test fixture)"]}},
                          "overrides": small,
                          "arm_specs": {"mdm": {"recipe": "recipes/tinymath/mdm.yaml", "init": "warm_start",

@@ -549,6 +549,16 @@ def test_mask_discrepancy_runs_for_mdm_and_pu(tiny_tokenizer):
         vals = [v for v in res["d_mask"].values() if v is not None]
         assert len(vals) >= 5 and all(-0.2 < v <= 2.0 for v in vals)
     assert mdm["problems_per_t"]["0.5"] == 3
+    # the PU pools' budget bounds the construction's forward passes: 1 pool x 3 steps per problem
+    calls = []
+    m.register_forward_hook(lambda *a: calls.append(1))
+    mask_discrepancy(m, tok, records[:1], "pu", construction=StageConstruction(4, 0.9), n_train=64, n_problems=1,
+                     progress=False, pools=1, steps=3)
+    inference = len(calls) - 3
+    calls.clear()
+    mask_discrepancy(m, tok, records[:1], "pu", construction=StageConstruction(4, 0.9), n_train=64, n_problems=1,
+                     progress=False, pools=2, steps=3)
+    assert len(calls) - inference == 6 and inference > 0
     # each problem's own values average to the reported D_mask(t) (for paired comparisons between runs)
     for res in (mdm, pu):
         assert len(res["per_problem"]) == 3 and all(len(v) == 9 for v in res["per_problem"])

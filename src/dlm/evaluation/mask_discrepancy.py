@@ -135,10 +135,13 @@ def pu_masks(model, prompt: Sequence[int], response: Sequence[int], eos_id: int,
 
 
 def mask_discrepancy(model, tok, records: Sequence[dict], training: str, construction=None, u: int = 2,
-                     n_train: int = 32, n_problems: int = 50, seed: int = 0, progress: bool = True) -> dict:
+                     n_train: int = 32, n_problems: int = 50, seed: int = 0, progress: bool = True,
+                     pools: int = 5, steps: int = 64) -> dict:
     """D_mask(t) on the grid for `training` in {"mdm", "pu"} (PU needs its construction), averaged over problems,
     and each problem's own values (`per_problem`: one list per problem, in GRID order, None where a ratio got no
-    inference mask or fewer than two training masks) for paired comparisons between runs."""
+    inference mask or fewer than two training masks) for paired comparisons between runs. PU costs up to
+    pools x steps forward passes of its 32-trajectory pool per problem (`pu_masks`); a ratio bin that has not reached
+    n_train masks by then is scored on what it has."""
     from tqdm import tqdm
 
     generator = torch.Generator().manual_seed(seed)
@@ -152,7 +155,7 @@ def mask_discrepancy(model, tok, records: Sequence[dict], training: str, constru
         inf = inference_masks(model, prompt, N, tok.mask_token_id, tok.pad_token_id, u)
         if training == "pu":
             bins = pu_masks(model, prompt, response, tok.eos_token_id, tok.mask_token_id, construction, n_train,
-                            generator)
+                            generator, pools=pools, steps=steps)
         values = []
         for t in GRID:
             if t not in inf:
