@@ -103,6 +103,11 @@ def test_plan_errors_name_the_field(tmp_path):
     path.write_text(yaml.safe_dump(plan))
     with pytest.raises(StudyError, match="u=N"):
         study.check_plan(Plan.load(path))
-    committed = Plan.load(ROOT / "benchmarks" / "plans" / "pumba-dmask.yaml")
-    study.check_plan(committed)
-    assert json.loads(json.dumps(committed.settings["comparisons"]))[0]["expect"] == "lower"
+    for name in ("pumba-dmask", "pumba-dmask-v2"):  # the committed plans: v2 differs in the measurement's size only
+        committed = Plan.load(ROOT / "benchmarks" / "plans" / f"{name}.yaml")
+        study.check_plan(committed)
+        assert json.loads(json.dumps(committed.settings["comparisons"]))[0]["expect"] == "lower"
+    plans = ROOT / "benchmarks" / "plans"
+    v1, v2 = (Plan.load(plans / f"{n}.yaml").settings for n in ("pumba-dmask", "pumba-dmask-v2"))
+    size = {"n", "n_train_masks", "pu_pools", "pu_steps"}
+    assert {k: v for k, v in v1.items() if k not in size} == {k: v for k, v in v2.items() if k not in size}
