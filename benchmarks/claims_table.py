@@ -433,7 +433,8 @@ def plan_progress(results: Path, plans: Path) -> list[dict]:
         to_go, unmeasured = _time_to_go(plan, table)
         missing = sum(len(keys[a]) for a, _ in pairs) - len(cells)
         lost = lost_starts(plan, table, plans) if missing else []
-        out.append({"plan": plan.name, "source": path, "table": table_path if table else None,
+        stopped = any(line.startswith("# STOPPED") for line in path.read_text().splitlines())
+        out.append({"plan": plan.name, "source": path, "table": table_path if table else None, "stopped": stopped,
                     "to_go": to_go / 3600, "unmeasured": unmeasured, "lost": lost,
                     "cells": len(cells), "planned": sum(len(keys[a]) for a, _ in pairs), "pairs": len(pairs),
                     "complete": complete, "full": full, "arms": plan.arms, "seeds": plan.seeds,
@@ -522,6 +523,8 @@ def render_progress(progress: list[dict]) -> list[str]:
 
 
 def _to_go_text(p: dict) -> str:
+    if p.get("stopped") and p["cells"] < p["planned"]:  # a `# STOPPED (date)` line in the plan says why
+        return "stopped (its plan's header says why); the missing cells will not run"
     if p.get("lost"):
         return (f"frozen: its pinned {', '.join(p['lost'])} weights are lost (not in benchmarks/starts/); the "
                 "missing cells cannot run against them")

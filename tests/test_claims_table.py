@@ -229,6 +229,11 @@ def test_study_progress_counts_each_plans_complete_arms_and_seeds(tmp_path):
     assert "| 14 / 18 | 8 / 12 | slightly, worse | seed 0: 4/4, seed 1: 2/4, seed 2: 2/4 |" in row
     assert row.endswith("| 0.0 + better, b (not measured yet) |")
     assert next(x for x in lines if x.startswith("| empty")).endswith("| no cell yet to estimate from |")
+    # a plan whose header says it was stopped shows that instead of an estimate (its digest is unchanged: a comment)
+    (plans / "toy.yaml").write_text("# STOPPED (2026-12-05): too slow\n" + (plans / "toy.yaml").read_text())
+    row = next(x for x in claims_table.render_progress(claims_table.plan_progress(results, plans))
+               if x.startswith("| [toy]"))
+    assert row.endswith("| stopped (its plan's header says why); the missing cells will not run |")
 
 
 def test_time_to_go_charges_each_missing_cell_its_arms_measured_time(tmp_path):
