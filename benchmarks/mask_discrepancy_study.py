@@ -122,12 +122,17 @@ def run(plan_path, json_path=None, runs=None, seeds=None, arms=None, max_minutes
 
 
 # ---- the report ---------------------------------------------------------------------------------------------------
+def _values(table: StudyTable, arm: str, seed: int, key: str) -> np.ndarray:
+    """problems x ratios of one cell, NaN where a value is missing."""
+    return np.array([[np.nan if v is None else v for v in p] for p in table.cell(arm, seed, key)["values"]],
+                    dtype=float)
+
+
 def _matrix(table: StudyTable, arm: str, key: str, seeds: list[int], ratio: int | None = None) -> np.ndarray:
     """seeds x problems: D_mask at ratio index `ratio`, or (None) each problem's mean over its ratios (NaN: none)."""
     rows = []
     for s in seeds:
-        vals = np.array([[np.nan if v is None else v for v in p] for p in table.cell(arm, s, key)["values"]],
-                        dtype=float)
+        vals = _values(table, arm, s, key)
         rows.append(vals[:, ratio] if ratio is not None else _nanmean_rows(vals))
     return np.stack(rows)
 
@@ -141,8 +146,7 @@ def _paired_over_ratios(table, a, b, key, seeds) -> tuple[np.ndarray, np.ndarray
     """Each problem's mean over the ratios both arms have in that seed (so a missing ratio never tilts the pair)."""
     A, B = [], []
     for s in seeds:
-        va = np.array([[np.nan if v is None else v for v in p] for p in table.cell(a, s, key)["values"]], float)
-        vb = np.array([[np.nan if v is None else v for v in p] for p in table.cell(b, s, key)["values"]], float)
+        va, vb = _values(table, a, s, key), _values(table, b, s, key)
         both = ~(np.isnan(va) | np.isnan(vb))
         A.append(_nanmean_rows(np.where(both, va, np.nan)))
         B.append(_nanmean_rows(np.where(both, vb, np.nan)))
@@ -243,6 +247,8 @@ def plot_study(plan: Plan, table: StudyTable, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from dlm.evaluation.mask_discrepancy import style_axes
+
     keys = list(plan.evals)
     fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 3.8), squeeze=False)
     for ax, key in zip(axes[0], keys):
@@ -256,11 +262,7 @@ def plot_study(plan: Plan, table: StudyTable, path: Path) -> None:
                 ts = [t for t in GRID if all(c["d_mask"].get(str(t)) is not None for c in cells)]
                 ax.plot(ts, [np.mean([c["d_mask"][str(t)] for c in cells]) for t in ts], color=color, marker="o",
                         label=f"{arm} ({cells[0]['training']}, {len(cells)} seeds)")
-        ax.set_xlabel("masking ratio t")
-        ax.set_ylabel("D_mask(t)  (lower = closer to inference)")
-        ax.set_title(f"{plan.name}: {key}")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        style_axes(ax, f"{plan.name}: {key}")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)

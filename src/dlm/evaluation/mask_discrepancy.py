@@ -218,6 +218,15 @@ def _checkpoint_step(path: Path, run: Path) -> tuple[int | None, str | None]:
     return int(state["step"]), f"checkpoint {found}"
 
 
+def style_axes(ax, title: str) -> None:
+    """The labels, grid and legend of a D_mask(t) plot (this module's and the study driver's)."""
+    ax.set_xlabel("masking ratio t")
+    ax.set_ylabel("D_mask(t)  (lower = closer to inference)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+
 def run_mask_discrepancy(models: Sequence[str], data, u: int = 2, n: int = 50, seed: int = 0, out=None,
                          progress: bool = True) -> dict:
     """D_mask(t) for each model (training construction read from its run), as JSON and a plot of D_mask vs t."""
@@ -255,11 +264,7 @@ def run_mask_discrepancy(models: Sequence[str], data, u: int = 2, n: int = 50, s
             ts = [float(t) for t, v in r["d_mask"].items() if v is not None]
             ax.plot(ts, [v for v in r["d_mask"].values() if v is not None], marker="o",
                     label=f"{Path(r['model']).name} ({r['training']})")
-        ax.set_xlabel("masking ratio t")
-        ax.set_ylabel("D_mask(t)  (lower = closer to inference)")
-        ax.set_title(f"mask discrepancy at u={u} (PUMBA Def. 1)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        style_axes(ax, f"mask discrepancy at u={u} (PUMBA Def. 1)")
         fig.tight_layout()
         fig.savefig(out.with_suffix(".png"), dpi=120)
         plt.close(fig)
