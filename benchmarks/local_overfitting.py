@@ -233,7 +233,8 @@ def run_arm(arm: str, start: str, data: str, updates: int, batch_size: int, inse
 
     t0 = time.time()
     losses = [completion_losses(model, cb_f).tolist()]  # [s][16], s = updates done
-    val_points, val_losses = [0], [float(completion_losses(model, cb_v).mean())]
+    held_losses = [completion_losses(model, cb_v).tolist()]  # [point][val_n]: each held-out sequence's loss
+    val_points, val_losses = [0], [sum(held_losses[0]) / len(held_losses[0])]
     entered, exited, train_loss = {}, {}, []
     for s in range(1, updates + 1):  # update s
         if s in schedule:
@@ -253,7 +254,8 @@ def run_arm(arm: str, start: str, data: str, updates: int, batch_size: int, inse
         losses.append(completion_losses(model, cb_f).tolist())
         if s % val_every == 0 or s == updates:
             val_points.append(s)
-            val_losses.append(float(completion_losses(model, cb_v).mean()))
+            held_losses.append(completion_losses(model, cb_v).tolist())
+            val_losses.append(sum(held_losses[-1]) / len(held_losses[-1]))
     distinct = pool.samples_started if pool is not None else updates * batch_size
     return {"arm": arm, "u": u, "K": K, "maskable_mean": M if u is not None else None,
             "J": K if u is not None else 1, "seconds": round(time.time() - t0, 1),
@@ -261,7 +263,8 @@ def run_arm(arm: str, start: str, data: str, updates: int, batch_size: int, inse
             "completion_loss": [[round(v, 5) for v in x] for x in zip(*losses)],  # [16][updates + 1]
             "inserted": {str(t): {"requested": int(r), "entered": entered.get(t), "last_update": exited.get(t)}
                          for r, tags in schedule.items() for t in tags},
-            "validation": {"updates": val_points, "loss": val_losses}}
+            "validation": {"updates": val_points, "loss": val_losses,
+                           "per_sequence": [[round(v, 5) for v in x] for x in held_losses]}}
 
 
 # ---- summary and report -------------------------------------------------------------------------------------------
@@ -364,6 +367,14 @@ def report(json_path: Path, md_path: Path, png_path: Path) -> str:
         lines.append(f"- The warm start's validation completion loss (before any update, the same in every arm): "
                      f"{start_val.pop():.3f}.")
     lines += reading(rows, ref, st)
+    old = md_path.read_text().splitlines() if md_path.is_file() else []
+    status = []  # a hand-written "> ..." status box under the title survives regeneration
+    for line in old[1:]:
+        if line.startswith(">") or (not line and not status):
+            status.append(line)
+        else:
+            break
+    lines[1:1] = status if any(status) else []  # lines[1] is the blank line after the title
     text = "\n".join(lines) + "\n"
     md_path.write_text(text)
     return text

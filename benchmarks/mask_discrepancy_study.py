@@ -123,9 +123,10 @@ def run(plan_path, json_path=None, runs=None, seeds=None, arms=None, max_minutes
 
 # ---- the report ---------------------------------------------------------------------------------------------------
 def _values(table: StudyTable, arm: str, seed: int, key: str) -> np.ndarray:
-    """problems x ratios of one cell, NaN where a value is missing."""
-    return np.array([[np.nan if v is None else v for v in p] for p in table.cell(arm, seed, key)["values"]],
-                    dtype=float)
+    """problems x ratios of one cell, NaN where a value is missing. A measure with one number per problem (such as
+    benchmarks/local_overfitting_study.py's completion loss) is one column."""
+    return np.array([[np.nan if v is None else v for v in (p if isinstance(p, list) else [p])]
+                     for p in table.cell(arm, seed, key)["values"]], dtype=float)
 
 
 def _matrix(table: StudyTable, arm: str, key: str, seeds: list[int], ratio: int | None = None) -> np.ndarray:
@@ -173,13 +174,37 @@ def compare(table: StudyTable, c: dict) -> dict | None:
         return None
     r = compare_values(*_paired_over_ratios(table, c["a"], c["b"], c["eval"], seeds))
     per_ratio = {}
-    for i, t in enumerate(GRID):
+    ratios = GRID if _values(table, c["a"], seeds[0], c["eval"]).shape[1] == len(GRID) else ()
+    for i, t in enumerate(ratios):
         try:
             per_ratio[t] = compare_values(_matrix(table, c["a"], c["eval"], seeds, i),
                                           _matrix(table, c["b"], c["eval"], seeds, i))
         except DlmError:  # no problem has this ratio in both arms
             continue
     return {**r, "seeds": seeds, "verdict": verdict(r, c["expect"]), "per_ratio": per_ratio}
+
+
+def comparison_lines(plan: Plan, table: StudyTable, measure: str) -> list[str]:
+    """The plan's pre-registered comparisons of a measure table, one line each (and the per-ratio line of D_mask):
+    means, the paired difference a − b with its CI, sign-flip p, per-seed differences and the verdict."""
+    comparisons = list(plan.settings.get("comparisons") or [])
+    lines = ["### Paired comparisons (pre-registered)", ""] if comparisons else []
+    for c in comparisons:
+        r = compare(table, c)
+        head = f"- {c['a']} {c['expect']} than {c['b']} at {c['eval']} ({c.get('claim', '')}): "
+        if r is None:
+            lines.append(head + "not run (no seed has both cells)")
+            continue
+        lines.append(
+            head + f"{r['mean_a']:.3f} vs {r['mean_b']:.3f} {measure} (n={r['n']}, "
+            f"{r['n_seeds']} seed{'s' if r['n_seeds'] > 1 else ''}): {r['difference']:+.3f}, 95 % CI "
+            f"[{r['low']:+.3f}, {r['high']:+.3f}], sign-flip p = {r['p_value']:#.2g}, per seed "
+            + " / ".join(f"{x:+.3f}" for x in r["per_seed_difference"]) + f" → **{r['verdict']}**"
+            + ("" if len(r["seeds"]) == len(plan.seeds) else " (provisional: not every seed yet)"))
+        if r["per_ratio"]:
+            lines.append("  - per ratio: " + "; ".join(f"t={t} {x['difference']:+.3f} [{x['low']:+.3f}, "
+                                                       f"{x['high']:+.3f}]" for t, x in r["per_ratio"].items()))
+    return lines
 
 
 def report_lines(plan: Plan, table: StudyTable, plan_path: str, json_path: str, doc: Path, plot: Path) -> list[str]:
@@ -216,23 +241,7 @@ def report_lines(plan: Plan, table: StudyTable, plan_path: str, json_path: str, 
                 row.append(f"{np.mean(vals):.3f}{sd}" if vals else "–")
             lines.append(f"| {arm} | {cells[0]['training']} | {len(cells)} | " + " | ".join(row) + " |")
         lines.append("")
-    comparisons = [c for c in plan.settings.get("comparisons") or []]
-    if comparisons:
-        lines += ["### Paired comparisons (pre-registered)", ""]
-    for c in comparisons:
-        r = compare(table, c)
-        head = f"- {c['a']} {c['expect']} than {c['b']} at {c['eval']} ({c.get('claim', '')}): "
-        if r is None:
-            lines.append(head + "not run (no seed has both cells)")
-            continue
-        lines.append(
-            head + f"{r['mean_a']:.3f} vs {r['mean_b']:.3f} mean D_mask over ratios (n={r['n']}, "
-            f"{r['n_seeds']} seed{'s' if r['n_seeds'] > 1 else ''}): {r['difference']:+.3f}, 95 % CI "
-            f"[{r['low']:+.3f}, {r['high']:+.3f}], sign-flip p = {r['p_value']:#.2g}, per seed "
-            + " / ".join(f"{x:+.3f}" for x in r["per_seed_difference"]) + f" → **{r['verdict']}**"
-            + ("" if len(r["seeds"]) == len(plan.seeds) else " (provisional: not every seed yet)"))
-        lines.append("  - per ratio: " + "; ".join(
-            f"t={t} {x['difference']:+.3f} [{x['low']:+.3f}, {x['high']:+.3f}]" for t, x in r["per_ratio"].items()))
+    lines += comparison_lines(plan, table, "mean D_mask over ratios")
     missing = list(table.missing())
     lines += ["", "Missing cells: " + (", ".join(f"{a} seed {s} {k}" for a, s, k in missing) if missing else "none")]
     if table.cells:

@@ -301,11 +301,14 @@ def test_a_measure_table_gets_its_verdict_in_the_claimed_direction(tmp_path):
             table.add_measure(arm, seed, "u=2", values, problems="p")
     claims = tmp_path / "claims.yaml"
     claims.write_text("claims:\n" + _claim("dm", "study: {plan: dm, arm_a: pu, arm_b: mdm, eval: u=2, expect: lower}")
-                      + _claim("up", "study: {plan: dm, arm_a: mdm, arm_b: pu, eval: u=2, expect: lower}"))
+                      + _claim("up", "study: {plan: dm, arm_a: mdm, arm_b: pu, eval: u=2, expect: lower}")
+                      + _claim("cap", "study: {plan: dm, arm_a: pu, arm_b: mdm, eval: u=2, expect: lower, "
+                                      "at_most: partly, note: An analogue.}"))
     _run(claims, results, plans)
     rows = {line.split("|")[1].strip(" `"): [c.strip() for c in line.split("|")[1:-1]]
             for line in (results / "README.md").read_text().splitlines() if line.startswith("| `")}
     assert rows["dm"][7] == "**reproduced**" and rows["up"][7] == "**not**"
+    assert rows["cap"][7].startswith("**partly (capped")  # the same comparison, capped by the claim's breadth
     assert rows["dm"][3].startswith("pu 0.") and "(-0.1" in rows["dm"][3] and rows["dm"][4] == "40"
     claims.write_text("claims:\n" + _claim("dm", "study: {plan: dm, arm_a: pu, arm_b: mdm, eval: u=2}"))
     with pytest.raises(ClaimsError, match="does not apply to a measure table"):
