@@ -123,8 +123,10 @@ def passes_per_update(recipe) -> int:
 
 
 # ---- training and evaluation ------------------------------------------------------------------------------------
-def trained_model(plan, arm: str, seed: int, runs: Path) -> tuple[Path, dict]:
-    """(model directory, training record) of an arm in one seed, training it first unless already done."""
+def trained_model(plan, arm: str, seed: int, runs: Path, minutes: float | None = None) -> tuple[Path, dict] | None:
+    """(model directory, training record) of an arm in one seed, training it first unless already done. With
+    `minutes`, a training stops after that much wall time (train.max_minutes: it saves a checkpoint, and the next call
+    resumes from it) and the result is None: the arm is not trained yet."""
     from dlm.evaluation.study import StudyError, fingerprint
     from dlm.training.loop import train
 
@@ -144,11 +146,17 @@ def trained_model(plan, arm: str, seed: int, runs: Path) -> tuple[Path, dict]:
                              f"{spec['updates']}; use another --runs for this plan")
         return run / "model", record
     recipe = recipe_for(plan, arm, seed, run)
+    if minutes is not None:
+        if minutes <= 0:
+            return None
+        recipe = recipe.model_copy(update={"train": recipe.train.model_copy(update={"max_minutes": minutes})})
     resume = (run / "checkpoints" / "latest").is_file()
     print(f"== seed {seed}: training {arm} ({recipe.train.steps} updates{', resumed' if resume else ''})",
           flush=True)
     train(recipe, resume=resume, progress=False)
     summary = json.loads((run / "train_summary.json").read_text())  # seconds over every segment of a resumed run
+    if summary["updates"] < recipe.train.steps:  # stopped at `minutes`; resumes from its checkpoint next time
+        return None
     record = {"updates": recipe.train.steps, "passes": recipe.train.steps * passes_per_update(recipe),
               "train_seconds": round(summary["train_seconds"], 1), "resumed": resume,
               "fingerprint": fingerprint(run / "model")}
@@ -363,7 +371,14 @@ def run(plan_path, json_path=None, runs=None, seeds=None, max_minutes=None, arms
                     print(f"seed {seed} {arm:14s} {key:14s} accuracy {100 * cell['accuracy']:5.1f} % (from "
                           f"{source}'s {c['arm']})", flush=True)
                     continue
-                model_dir, record = trained_model(plan, arm, seed, runs)
+                left = None if max_minutes is None else max_minutes - (time.time() - t0) / 60
+                trained = trained_model(plan, arm, seed, runs, left)
+                if trained is None:  # out of time, before or during its training
+                    print(f"stopped after {(time.time() - t0) / 60:.1f} min (--max-minutes {max_minutes}) before "
+                          f"{arm} seed {seed} finished training (it resumes from its last checkpoint); {added} cells "
+                          "added this run; rerun to continue", flush=True)
+                    return {"cells": added, "stopped": True, "waiting": waiting}
+                model_dir, record = trained
                 zero = bool(specs[arm].get("zero_carry"))
                 weights = fingerprint(model_dir)
                 other = next((c for c in table.cells if (c["arm"], c["seed"]) == (arm, seed)
@@ -407,8 +422,9 @@ def main(argv=None, description: str = __doc__, default_plan: str = "benchmarks/
                     "limit or an order only, like --seeds: e.g. the headline pair's seeds first)")
     ap.add_argument("--evals", help="comma-separated subset of the plan's evaluations, run in this order for each "
                     "arm (a limit or an order only: e.g. the evaluation the comparisons read, in every arm, first)")
-    ap.add_argument("--max-minutes", type=float, help="stop after the cell (with the training it needed) that "
-                    "crosses this many minutes; the table keeps every finished cell")
+    ap.add_argument("--max-minutes", type=float, help="wall-time budget: no cell starts after it, and a training "
+                    "still running then stops at it with a checkpoint that the next run resumes from (an evaluation "
+                    "in progress finishes); the table keeps every finished cell")
     ap.add_argument("--reuse", help="comma-separated study tables of other plans: a missing cell that one of them "
                     "has for the same training run (same resolved recipe, start weights, seed, problems and "
                     "evaluation) is taken over instead of trained and evaluated again, marked copied_from")

@@ -151,8 +151,16 @@ def test_pumba_study_smoke_run_resumes_and_refuses_a_changed_plan(tmp_path, monk
     plan, table_path, runs = _smoke_plan(tmp_path, warm, data), tmp_path / "smoke.json", tmp_path / "runs"
     (data / "test_unseen.jsonl").unlink(missing_ok=True)  # the unseen split arrives later in this test
 
-    first = pumba_study.run(plan, table_path, runs, max_minutes=0)  # stops after the first cell
-    assert first == {"cells": 1, "stopped": True, "waiting": []}
+    assert pumba_study.run(plan, table_path, runs, max_minutes=0) == {"cells": 0, "stopped": True, "waiting": []}
+    assert not (runs / "seed0" / "mdm").exists()  # out of time before the first training: nothing started
+    # A training cut by the budget stops with a checkpoint and no record; the next call resumes it to the end.
+    assert pumba_study.trained_model(Plan.load(plan), "mdm", 0, runs, minutes=1e-6) is None
+    assert (runs / "seed0" / "mdm" / "checkpoints" / "latest").is_file()
+    assert not (runs / "seed0" / "mdm" / "study_train.json").exists()
+    _, record = pumba_study.trained_model(Plan.load(plan), "mdm", 0, runs)
+    assert record["resumed"] and record["updates"] == 2
+    first = pumba_study.run(plan, table_path, runs, max_minutes=0.0, arms=["mdm"], evals=["u=4"])
+    assert first == {"cells": 1, "stopped": True, "waiting": []}  # trained already: its cell, then the budget
     cell = json.loads(table_path.read_text())["cells"][0]
     assert (cell["arm"], cell["seed"], cell["eval"], cell["n"]) == ("mdm", 0, "u=4", 3)
     assert len(cell["correct"]) == 3 and cell["updates"] == 2 and cell["passes"] == 2 and cell["train_seconds"] > 0
