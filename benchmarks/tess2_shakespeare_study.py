@@ -1,0 +1,246 @@
+"""TESS 2 on Shakespeare as a pre-registered study over seeds (issue 17): the 3-seed form of
+docs/results/tess2-shakespeare.md's adapted-vs-scratch loss and its intrinsic metrics (TESS 2 §4.2, Table 1).
+
+Models are trained as benchmarks/tess2_tinymath.py's `study` trains them (settings.train: recipe, overrides, seed
+rule, init_from; a model with `seed: study` is trained once per seed; --max-minutes stops a training with a checkpoint
+that the next call resumes). Two kinds of cell, each a per-item measure so arms pair item by item
+(`StudyTable.add_measure`):
+
+  loss     each of settings.eval_n.loss validation passages' held-out simplex loss (mean cross-entropy per generated
+           token, the response generated given its prompt), under the same timestep, noise and self-conditioning
+           draws for every model: the objective is seeded (123) and keyed by the passage, as
+           `tess2_tinymath.py loss` does. Simplex arms only (settings.eval_arms).
+  prefix   generations for the first settings.eval_n.prefix prompts (the first 16 words of a passage), with the
+           arm's sampler options (settings.arm_settings; `temperature` there is the sampling temperature, default 0):
+           simplex arms decode with argmax projection (seed s draws the initial noise), an AR arm samples (seed
+           s). The values are each generation's negative log-likelihood per token under the held-out reference AR
+           (settings.reference, trained on plays no other model saw); the cell also holds `intrinsic_metrics`
+           (perplexity, dist-1..4, unigram entropy, MAUVE on MiniLM features when settings.mauve is true) and four
+           example generations.
+
+The report gives each arm's mean ± sd over seeds and the plan's pre-registered paired comparisons (the D_mask
+driver's `compare`: the difference a − b averaged over seeds per item, a bootstrap CI over items, a sign-flip p).
+
+    python -m dlm.cli data shakespeare --out runs/shakespeare/data
+    OMP_NUM_THREADS=1 python benchmarks/tess2_shakespeare_study.py run \\
+        --plan benchmarks/plans/tess2-shakespeare-3seed.yaml --max-minutes 150
+    python benchmarks/tess2_shakespeare_study.py report --plan benchmarks/plans/tess2-shakespeare-3seed.yaml \\
+        --doc docs/results/tess2-shakespeare-3seed.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import mask_discrepancy_study as mds  # noqa: E402
+import tess2_tinymath as tt  # noqa: E402
+
+from dlm.errors import DlmError  # noqa: E402
+from dlm.evaluation.study import Plan, StudyError, StudyTable, problems_digest  # noqa: E402
+
+KINDS = ("loss", "prefix")
+METRICS = ("perplexity", "mauve", "dist_2", "unigram_entropy", "mean_length")
+
+
+def check_plan(plan: Plan) -> None:
+    """tess2_tinymath's checks, plus: every evaluation is loss or prefix, settings.reference names a trained model,
+    comparisons are {a, b, eval, expect: lower | higher}."""
+    s, where = plan.settings, plan.source
+    tt.check_plan(dataclasses.replace(plan, settings={k: v for k, v in s.items() if k != "comparisons"}))
+    for key in plan.evals:
+        if key not in KINDS:
+            raise StudyError(f"{where}: evaluation {key!r}: this driver measures {' and '.join(KINDS)}")
+    if s.get("reference") not in s["train"]:
+        raise StudyError(f"{where}: settings.reference must name the held-out AR among settings.train")
+    for c in s.get("comparisons") or []:
+        if not isinstance(c, dict) or c.get("a") not in plan.arms or c.get("b") not in plan.arms \
+                or c.get("eval") not in plan.evals or c.get("expect") not in ("lower", "higher"):
+            raise StudyError(f"{where}: comparison {c} must be {{a, b, eval, expect: lower | higher}} with planned "
+                             "arms and evaluation")
+
+
+@torch.no_grad()
+def passage_losses(model, tok, records: list[dict]) -> list[float]:
+    """Held-out simplex loss of each record's response given its prompt (prefix-LM masking), the objective seeded so
+    that every model meets the same timesteps, noise and self-conditioning draws per passage."""
+    from dlm.data.pipeline import encode_examples
+    from dlm.training.objectives.simplex import SimplexObjective
+
+    spec = model.spec
+    obj = SimplexObjective(spec.simplex_k, spec.simplex_timesteps, 0.5, "prefix_lm", spec.label_shift, seed=123)
+    examples, coll = encode_examples(tok, records, model.config.max_position_embeddings)
+    out = []
+    for ex in examples:  # one passage per call: its own sum over its own generated tokens
+        s, n, _ = obj.loss(model, coll([ex]))
+        out.append(float(s) / max(int(n), 1))
+    return out
+
+
+class ShakespeareStudy(tt.Study):
+    """tess2_tinymath's Study (training, pins, donors, --max-minutes) with loss and prefix measure cells."""
+
+    def problems(self, key: str) -> list[dict] | None:
+        if key not in self.records:
+            path = Path(self.s["data_dir"]) / self.s["eval_files"][key]
+            n = (self.s.get("eval_n") or {}).get(key, self.s["n"])
+            self.records[key] = tt.read_jsonl(path, required=("prompt", "response"))[:n] if path.is_file() else None
+            if self.records[key] is None:
+                print(f"{path}: not found; cells of evaluation {key!r} stay missing until it exists", flush=True)
+        return self.records[key]
+
+    def run(self) -> int:
+        from dlm.evaluation.intrinsic import _score, intrinsic_metrics
+        from dlm.evaluation.tasks import evaluate
+        from dlm.sampling import load_for_inference
+        from dlm.sampling.options import parse_options
+
+        added = 0
+        missing = set(self.table.missing())
+        for arm, seed, key in [(a, s, k) for s in self.seeds for a in self.arms for k in self.plan.evals
+                               if (a, s, k) in missing]:
+            if self.out_of_time():
+                print("--max-minutes reached; the next call resumes here", flush=True)
+                break
+            spec = dict(self.s["arm_settings"][arm])
+            try:
+                model_dir = self.model(spec.pop("model"), seed)
+                reference = self.model(self.s["reference"], seed) if key == "prefix" else None
+            except tt.OutOfTime:
+                print("--max-minutes reached while training; the next call resumes it", flush=True)
+                break
+            records = self.problems(key)
+            if records is None:
+                continue
+            model, tok = load_for_inference(model_dir)
+            t0 = time.perf_counter()
+            extra: dict = {"model": str(model_dir), "weights": tt.fingerprint(model_dir)}
+            if key == "loss":
+                if model.spec.family != "simplex":
+                    raise StudyError(f"{self.plan.source}: arm {arm} is not a simplex model; list only simplex arms "
+                                     "under settings.eval_arms.loss")
+                values = passage_losses(model, tok, records)
+            else:
+                temperature = float(spec.pop("temperature", 0.0))  # an argument of generate, not an option
+                options = parse_options(model.spec.family, spec)
+                r = evaluate(model, tok, [{**x, "answer": None} for x in records], options,
+                             batch_size=self.s.get("batch_size", 16), max_new_tokens=self.s["max_new_tokens"],
+                             temperature=temperature, seed=seed, truncate_prompts=True)
+                generations = [x["generation"] for x in r["samples"]]
+                prompts = [x["prompt"] for x in records]
+                ref_model, ref_tok = load_for_inference(reference)
+                nll, count, _ = _score(ref_model, ref_tok, prompts, generations, self.s.get("batch_size", 16))
+                values = [a / max(c, 1) for a, c in zip(nll, count)]
+                metrics = intrinsic_metrics(prompts, generations, [x["response"] for x in records], tok, ref_model,
+                                            ref_tok, self.s.get("batch_size", 16),
+                                            with_mauve=bool(self.s.get("mauve", True)), mauve_features="minilm")
+                extra.update(metrics={k: v for k, v in metrics.items() if isinstance(v, (int, float))},
+                             options=options.model_dump(mode="json", exclude_unset=True), temperature=temperature,
+                             mean_nfe=r["mean_nfe"],
+                             examples=[{"prompt": p, "generation": g} for p, g in zip(prompts[:4], generations[:4])])
+            extra["seconds"] = round(time.perf_counter() - t0, 1)
+            cell = self.table.add_measure(arm, seed, key, [round(v, 5) for v in values],
+                                          problems=problems_digest(records), **extra)
+            added += 1
+            shown = f"perplexity {cell['metrics']['perplexity']:.1f}" if key == "prefix" else \
+                f"loss {np.mean(values):.3f}"
+            print(f"{arm:>10s} seed {seed} {key:>6s}: {shown} (n={cell['n']}, {extra['seconds']:.0f} s)", flush=True)
+        return added
+
+
+def run(plan_path, json_path=None, seeds=None, arms=None, max_minutes=None, train_fn=None) -> int:
+    plan = Plan.load(plan_path)
+    check_plan(plan)
+    table = StudyTable(json_path or ROOT / "docs" / "results" / f"{plan.name}.json", plan)
+    deadline = None if max_minutes is None else time.time() + 60 * max_minutes
+    # the training side (tess2_tinymath's Study) checks the plan its own way, where comparisons are [a, b] pairs
+    trainer_view = dataclasses.replace(plan, settings={k: v for k, v in plan.settings.items() if k != "comparisons"})
+    study = ShakespeareStudy(trainer_view, table, deadline, train_fn=train_fn, seeds=seeds, arms=arms)
+    added = study.run()
+    print(f"{added} cells added; {sum(1 for _ in table.missing())} cells of the plan still missing", flush=True)
+    return added
+
+
+# ---- the report ---------------------------------------------------------------------------------------------------
+def _mean_sd(vals: list, fmt: str) -> str:
+    vals = [v for v in vals if v is not None]
+    if not vals:
+        return "–"
+    return f"{np.mean(vals):{fmt}}" + (f" ± {np.std(vals, ddof=1):{fmt}}" if len(vals) > 1 else "")
+
+
+def report_lines(plan: Plan, table: StudyTable, plan_path: str, json_path: str, doc: Path) -> list[str]:
+    rel = lambda p: os.path.relpath(Path(p).resolve(), doc.resolve().parent)  # noqa: E731
+    planned = sum(len(plan.planned_arms(k)) for k in plan.evals) * len(plan.seeds)
+    lines = [f"<!-- written by benchmarks/tess2_shakespeare_study.py from {json_path}; edit outside the markers -->",
+             "", f"Plan [`{Path(plan_path).name}`]({rel(plan_path)}) (digest `{plan.digest}`), table "
+             f"[`{Path(json_path).name}`]({rel(json_path)}), {len(table.cells)} of {planned} cells, generated "
+             f"{datetime.date.today().isoformat()}. Pinned models: "
+             + (", ".join(f"{k} `{v}`" for k, v in table.pins.items()) or "none yet") + ".", "",
+             "Regenerate with:", "",
+             f"    python benchmarks/tess2_shakespeare_study.py report --plan {plan_path} --doc {doc}", ""]
+    if "loss" in plan.evals:
+        lines += ["Held-out simplex loss per generated token (mean over passages, then mean ± sd over seeds):", "",
+                  "| arm | seeds | loss |", "|---|---|---|"]
+        for arm in plan.planned_arms("loss"):
+            cells = [table.cell(arm, x, "loss") for x in plan.seeds if table.has(arm, x, "loss")]
+            lines.append(f"| {arm} | {len(cells)} | {_mean_sd([np.mean(c['values']) for c in cells], '.3f')} |")
+        lines.append("")
+    if "prefix" in plan.evals:
+        lines += ["Generations for the prefix prompts, scored by the held-out reference AR (mean ± sd over seeds):",
+                  "", "| arm | seeds | " + " | ".join(METRICS) + " |", "|---|---|" + "---|" * len(METRICS)]
+        for arm in plan.planned_arms("prefix"):
+            cells = [table.cell(arm, x, "prefix") for x in plan.seeds if table.has(arm, x, "prefix")]
+            lines.append(f"| {arm} | {len(cells)} | " + " | ".join(
+                _mean_sd([c["metrics"].get(m) for c in cells], ".3f" if m in ("mauve", "dist_2") else ".2f")
+                for m in METRICS) + " |")
+        lines.append("")
+    lines += mds.comparison_lines(plan, table, "per item")
+    missing = list(table.missing())
+    lines += ["", "Missing cells: " + (", ".join(f"{a} seed {x} {k}" for a, x, k in missing) if missing else "none")]
+    return lines
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("command", choices=["run", "report"])
+    ap.add_argument("--plan", required=True, help="the pre-registered plan (YAML)")
+    ap.add_argument("--json", help="the study table (default docs/results/<plan name>.json)")
+    ap.add_argument("--seeds", help="run: comma-separated subset of the plan's seeds, in this order")
+    ap.add_argument("--arms", help="run: comma-separated subset of the plan's arms, in this order")
+    ap.add_argument("--max-minutes", type=float, help="run: stop (a training with a checkpoint) after this wall time")
+    ap.add_argument("--doc", help="report: the results doc whose study markers are rewritten")
+    args = ap.parse_args(argv)
+    try:
+        if args.command == "run":
+            run(args.plan, args.json, [int(x) for x in args.seeds.split(",")] if args.seeds else None,
+                args.arms.split(",") if args.arms else None, args.max_minutes)
+            return
+        from dlm.evaluation.study import write_study_section
+
+        if not args.doc:
+            raise DlmError("report: pass --doc DOC.md")
+        plan = Plan.load(args.plan)
+        check_plan(plan)
+        json_path = args.json or f"docs/results/{plan.name}.json"
+        doc = Path(args.doc)
+        write_study_section(doc, report_lines(plan, StudyTable(json_path, plan), args.plan, json_path, doc),
+                            title=f"TESS 2 on Shakespeare: {plan.name}")
+        print(f"wrote {doc}")
+    except DlmError as e:
+        raise SystemExit(f"tess2_shakespeare_study.py {args.command}: {e}") from None
+
+
+if __name__ == "__main__":
+    main()
