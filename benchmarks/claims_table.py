@@ -510,7 +510,9 @@ def render_progress(progress: list[dict]) -> list[str]:
            "The pre-registered plans (`benchmarks/plans/`) and how many of their cells have run; each plan's header "
            "has the command that continues it where its table stopped, after `python benchmarks/starts.py restore` "
            "has put the starts kept in `benchmarks/starts/` into runs/ (a plan whose pinned starts were not kept is "
-           "frozen). Hours: the training and evaluation time its "
+           "frozen). `benchmarks/study_queue.yaml` lists the remaining work in order, one lane per core, and "
+           "`python benchmarks/study_queue.py LANE --until HH:MM` runs a lane until a time. Hours: the training and "
+           "evaluation time its "
            "cells recorded (one thread, wall time on a shared machine; copied cells not counted). Hours to go: the "
            "missing cells at the times the same arm (else the same evaluation) took in the cells so far; arms with "
            "nothing to estimate from are named.", "",
