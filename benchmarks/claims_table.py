@@ -285,11 +285,11 @@ def study_evidence(ref: dict, results: Path, plans: Path, where: str) -> dict:
 
 
 def _measure_study():
-    """benchmarks/mask_discrepancy_study.py: the pairing and verdict of a measure table (one definition of both)."""
+    """benchmarks/measure_study.py: the pairing and verdict of a measure table (one definition of both)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    import mask_discrepancy_study
+    import measure_study
 
-    return mask_discrepancy_study
+    return measure_study
 
 
 def check_legacy(leg: dict, results: Path, where: str) -> None:

@@ -27,10 +27,7 @@ inside: it has no checkpoint to resume from).
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -41,9 +38,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import local_overfitting as lo  # noqa: E402
-import mask_discrepancy_study as mds  # noqa: E402
+import measure_study  # noqa: E402
+from measure_study import comparison_lines, header_lines, mean_sd  # noqa: E402
 
-from dlm.errors import DlmError  # noqa: E402
 from dlm.evaluation.study import Plan, StudyError, StudyTable, fingerprint, problems_digest, subset  # noqa: E402
 
 EVAL = "val"
@@ -143,27 +140,9 @@ def run(plan_path, json_path=None, runs=None, seeds=None, arms=None, max_minutes
 
 
 # ---- the report ---------------------------------------------------------------------------------------------------
-def _mean_sd(vals: list, fmt: str) -> str:
-    vals = [v for v in vals if v is not None]
-    if not vals:
-        return "–"
-    sd = f" ± {np.std(vals, ddof=1):{fmt}}" if len(vals) > 1 else ""
-    return f"{np.mean(vals):{fmt}}{sd}"
-
-
 def report_lines(plan: Plan, table: StudyTable, plan_path: str, json_path: str, doc: Path, plot: Path) -> list[str]:
-    rel = lambda p: os.path.relpath(Path(p).resolve(), doc.resolve().parent)  # noqa: E731
     s = plan.settings
-    done = [x for x in plan.seeds if all(table.has(a, x, EVAL) for a in plan.arms)]
-    lines = [f"<!-- written by benchmarks/local_overfitting_study.py from {json_path}; edit outside the markers -->",
-             "",
-             f"Plan [`{Path(plan_path).name}`]({rel(plan_path)}) (digest `{plan.digest}`), table "
-             f"[`{Path(json_path).name}`]({rel(json_path)}), {len(table.cells)} of "
-             f"{len(plan.arms) * len(plan.seeds)} cells, generated {datetime.date.today().isoformat()}. Seeds "
-             f"complete: {', '.join(map(str, done)) or 'none'} of {', '.join(map(str, plan.seeds))}. Pinned starts: "
-             + (", ".join(f"{k} `{v}`" for k, v in table.pins.items()) or "none yet") + ".", "",
-             "Regenerate with:", "",
-             f"    python benchmarks/local_overfitting_study.py report --plan {plan_path} --doc {doc}", "",
+    lines = [*header_lines("local_overfitting_study.py", plan, table, plan_path, json_path, doc),
              f"Each run: {s['updates']} updates of batch {s['batch_size']} from `{s['start']}`, lr {s['lr']} constant "
              f"after {s['warmup']} warm-up updates, canvas {s['canvas']}; 4 followed validation sequences enter at "
              f"each of updates {s['insert_at']}, 4 never do. Validation completion loss: {s['val_n']} other "
@@ -182,14 +161,12 @@ def report_lines(plan: Plan, table: StudyTable, plan_path: str, json_path: str, 
             continue
         rows = [c["summary"] for c in cells]
         lines.append(
-            f"| {arm} | {rows[0]['J']} | {_mean_sd([r['distinct'] for r in rows], ',.0f')} | {len(cells)} | "
-            f"{sum(r['n_inserted'] for r in rows)} | {_mean_sd([r['minimum'] for r in rows], '.2f')} | "
-            f"{_mean_sd([r['exit'] for r in rows], '.2f')} | {_mean_sd([r['later'] for r in rows], '.2f')} | "
-            f"{_mean_sd([r['validation'] for r in rows], '.3f')} | {paper} |")
+            f"| {arm} | {rows[0]['J']} | {mean_sd([r['distinct'] for r in rows], ',.0f')} | {len(cells)} | "
+            f"{sum(r['n_inserted'] for r in rows)} | {mean_sd([r['minimum'] for r in rows], '.2f')} | "
+            f"{mean_sd([r['exit'] for r in rows], '.2f')} | {mean_sd([r['later'] for r in rows], '.2f')} | "
+            f"{mean_sd([r['validation'] for r in rows], '.3f')} | {paper} |")
     lines.append("")
-    lines += mds.comparison_lines(plan, table, "validation completion loss")
-    missing = list(table.missing())
-    lines += ["", "Missing cells: " + (", ".join(f"{a} seed {x}" for a, x, _ in missing) if missing else "none")]
+    lines += comparison_lines(plan, table, "validation completion loss")
     if table.cells:
         plot_study(plan, table, plot)
         lines += ["", f"![mean log relative completion loss around insertion]({plot.name})", "",
@@ -234,37 +211,8 @@ def plot_study(plan: Plan, table: StudyTable, path: Path) -> None:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("command", choices=["run", "report"])
-    ap.add_argument("--plan", required=True, help="the pre-registered plan (YAML)")
-    ap.add_argument("--json", help="the study table (default docs/results/<plan name>.json)")
-    ap.add_argument("--runs", help="run: the runs' working directories (default runs/<plan name>)")
-    ap.add_argument("--seeds", help="run: comma-separated subset of the plan's seeds, in this order")
-    ap.add_argument("--arms", help="run: comma-separated subset of the plan's arms, in this order")
-    ap.add_argument("--max-minutes", type=float, help="run: start no run that would end past this wall time")
-    ap.add_argument("--doc", help="report: the results doc whose study markers are rewritten")
-    ap.add_argument("--plot", help="report: the plot (default: the doc's name with .png)")
-    args = ap.parse_args(argv)
-    try:
-        if args.command == "run":
-            run(args.plan, args.json, args.runs, [int(x) for x in args.seeds.split(",")] if args.seeds else None,
-                args.arms.split(",") if args.arms else None, args.max_minutes)
-            return
-        from dlm.evaluation.study import write_study_section
-
-        if not args.doc:
-            raise DlmError("report: pass --doc DOC.md")
-        plan = Plan.load(args.plan)
-        check_plan(plan)
-        json_path = args.json or f"docs/results/{plan.name}.json"
-        table = StudyTable(json_path, plan)
-        doc = Path(args.doc)
-        plot = Path(args.plot) if args.plot else doc.with_suffix(".png")
-        write_study_section(doc, report_lines(plan, table, args.plan, json_path, doc, plot),
-                            title=f"Local overfitting: {plan.name}")
-        print(f"wrote {doc}" + (f" and {plot}" if table.cells else ""))
-    except DlmError as e:
-        raise SystemExit(f"local_overfitting_study.py {args.command}: {e}") from None
+    measure_study.main(argv, description=__doc__, driver="local_overfitting_study.py", title="Local overfitting",
+                       check_plan=check_plan, run=run, report_lines=report_lines)
 
 
 if __name__ == "__main__":

@@ -25,8 +25,6 @@ The table is docs/results/<plan name>.json unless --json says otherwise; rerunni
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import sys
 import time
 from pathlib import Path
@@ -36,12 +34,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import measure_study  # noqa: E402
 import pumba_study  # noqa: E402
+from measure_study import GRID, compare, comparison_lines, header_lines, mean_sd, verdict  # noqa: E402,F401
 
-from dlm.errors import DlmError  # noqa: E402
 from dlm.evaluation.study import Plan, StudyError, StudyTable, fingerprint, problems_digest, subset  # noqa: E402
-
-GRID = tuple(round(0.1 * i, 1) for i in range(1, 10))  # as dlm.evaluation.mask_discrepancy.GRID (import-free here)
 
 
 def check_plan(plan: Plan) -> None:
@@ -122,106 +119,8 @@ def run(plan_path, json_path=None, runs=None, seeds=None, arms=None, max_minutes
 
 
 # ---- the report ---------------------------------------------------------------------------------------------------
-def _values(table: StudyTable, arm: str, seed: int, key: str) -> np.ndarray:
-    """problems x ratios of one cell, NaN where a value is missing. A measure with one number per problem (such as
-    benchmarks/local_overfitting_study.py's completion loss) is one column."""
-    return np.array([[np.nan if v is None else v for v in (p if isinstance(p, list) else [p])]
-                     for p in table.cell(arm, seed, key)["values"]], dtype=float)
-
-
-def _matrix(table: StudyTable, arm: str, key: str, seeds: list[int], ratio: int | None = None) -> np.ndarray:
-    """seeds x problems: D_mask at ratio index `ratio`, or (None) each problem's mean over its ratios (NaN: none)."""
-    rows = []
-    for s in seeds:
-        vals = _values(table, arm, s, key)
-        rows.append(vals[:, ratio] if ratio is not None else _nanmean_rows(vals))
-    return np.stack(rows)
-
-
-def _nanmean_rows(vals: np.ndarray) -> np.ndarray:
-    have = ~np.isnan(vals)
-    return np.where(have.any(1), np.nansum(vals, 1) / np.maximum(have.sum(1), 1), np.nan)
-
-
-def _paired_over_ratios(table, a, b, key, seeds) -> tuple[np.ndarray, np.ndarray]:
-    """Each problem's mean over the ratios both arms have in that seed (so a missing ratio never tilts the pair)."""
-    A, B = [], []
-    for s in seeds:
-        va, vb = _values(table, a, s, key), _values(table, b, s, key)
-        both = ~(np.isnan(va) | np.isnan(vb))
-        A.append(_nanmean_rows(np.where(both, va, np.nan)))
-        B.append(_nanmean_rows(np.where(both, vb, np.nan)))
-    return np.stack(A), np.stack(B)
-
-
-def verdict(result: dict, expect: str) -> str:
-    """The docs/results rule for "a lower (or higher) than b" on a compare_values result of a − b."""
-    from dlm.evaluation.stats import VERDICT_SEEDS
-
-    sign = -1 if expect == "lower" else 1
-    d, lo, hi = sign * result["difference"], sign * result["low"], sign * result["high"]
-    if result["n_seeds"] >= VERDICT_SEEDS and min(lo, hi) > 0 and result["consistent"]:
-        return "reproduced"
-    return "partly" if d > 0 else "not"
-
-
-def compare(table: StudyTable, c: dict) -> dict | None:
-    """The plan comparison `c` over the seeds both arms have, or None before any."""
-    from dlm.evaluation.stats import compare_values
-
-    seeds = table.complete_seeds([c["a"], c["b"]], c["eval"])
-    if not seeds:
-        return None
-    r = compare_values(*_paired_over_ratios(table, c["a"], c["b"], c["eval"], seeds))
-    per_ratio = {}
-    ratios = GRID if _values(table, c["a"], seeds[0], c["eval"]).shape[1] == len(GRID) else ()
-    for i, t in enumerate(ratios):
-        try:
-            per_ratio[t] = compare_values(_matrix(table, c["a"], c["eval"], seeds, i),
-                                          _matrix(table, c["b"], c["eval"], seeds, i))
-        except DlmError:  # no problem has this ratio in both arms
-            continue
-    return {**r, "seeds": seeds, "verdict": verdict(r, c["expect"]), "per_ratio": per_ratio}
-
-
-def comparison_lines(plan: Plan, table: StudyTable, measure: str) -> list[str]:
-    """The plan's pre-registered comparisons of a measure table, one line each (and the per-ratio line of D_mask):
-    means, the paired difference a − b with its CI, sign-flip p, per-seed differences and the verdict."""
-    comparisons = list(plan.settings.get("comparisons") or [])
-    lines = ["### Paired comparisons (pre-registered)", ""] if comparisons else []
-    for c in comparisons:
-        r = compare(table, c)
-        head = f"- {c['a']} {c['expect']} than {c['b']} at {c['eval']} ({c.get('claim', '')}): "
-        if r is None:
-            lines.append(head + "not run (no seed has both cells)")
-            continue
-        lines.append(
-            head + f"{r['mean_a']:.3f} vs {r['mean_b']:.3f} {measure} (n={r['n']}, "
-            f"{r['n_seeds']} seed{'s' if r['n_seeds'] > 1 else ''}): {r['difference']:+.3f}, 95 % CI "
-            f"[{r['low']:+.3f}, {r['high']:+.3f}], sign-flip p = {r['p_value']:#.2g}, per seed "
-            + " / ".join(f"{x:+.3f}" for x in r["per_seed_difference"]) + f" → **{r['verdict']}**"
-            + ("" if len(r["seeds"]) == len(plan.seeds) else " (provisional: not every seed yet)"))
-        if r["per_ratio"]:
-            lines.append("  - per ratio: " + "; ".join(f"t={t} {x['difference']:+.3f} [{x['low']:+.3f}, "
-                                                       f"{x['high']:+.3f}]" for t, x in r["per_ratio"].items()))
-    return lines
-
-
 def report_lines(plan: Plan, table: StudyTable, plan_path: str, json_path: str, doc: Path, plot: Path) -> list[str]:
-    import os
-
-    rel = lambda p: os.path.relpath(Path(p).resolve(), doc.resolve().parent)  # noqa: E731
-    done = [s for s in plan.seeds if all(table.has(a, s, k) for a in plan.arms for k in plan.evals)]
-    lines = [f"<!-- written by benchmarks/mask_discrepancy_study.py from {json_path}; edit outside the markers -->",
-             "",
-             f"Plan [`{Path(plan_path).name}`]({rel(plan_path)}) (digest `{plan.digest}`), table "
-             f"[`{Path(json_path).name}`]({rel(json_path)}), {len(table.cells)} of "
-             f"{len(plan.arms) * len(plan.seeds) * len(plan.evals)} cells, generated "
-             f"{datetime.date.today().isoformat()}. Seeds complete: {', '.join(map(str, done)) or 'none'} of "
-             f"{', '.join(map(str, plan.seeds))}. Pinned starts: "
-             + (", ".join(f"{k} `{v}`" for k, v in table.pins.items()) or "none yet") + ".", "",
-             "Regenerate with:", "",
-             f"    python benchmarks/mask_discrepancy_study.py report --plan {plan_path} --doc {doc}", ""]
+    lines = header_lines("mask_discrepancy_study.py", plan, table, plan_path, json_path, doc)
     for key in plan.evals:
         n = next((c["n"] for c in table.cells if c["eval"] == key), None)
         lines += [f"### D_mask(t) at {key} (n = {n or '–'} problems of `{plan.settings['split']}`)", "",
@@ -236,14 +135,10 @@ def report_lines(plan: Plan, table: StudyTable, plan_path: str, json_path: str, 
                 continue
             row = []
             for t in GRID:
-                vals = [c["d_mask"][str(t)] for c in cells if c["d_mask"].get(str(t)) is not None]
-                sd = f" ± {np.std(vals, ddof=1):.3f}" if len(vals) > 1 else ""
-                row.append(f"{np.mean(vals):.3f}{sd}" if vals else "–")
+                row.append(mean_sd([c["d_mask"].get(str(t)) for c in cells], ".3f"))
             lines.append(f"| {arm} | {cells[0]['training']} | {len(cells)} | " + " | ".join(row) + " |")
         lines.append("")
     lines += comparison_lines(plan, table, "mean D_mask over ratios")
-    missing = list(table.missing())
-    lines += ["", "Missing cells: " + (", ".join(f"{a} seed {s} {k}" for a, s, k in missing) if missing else "none")]
     if table.cells:
         plot_study(plan, table, plot)
         lines += ["", f"![D_mask vs masking ratio]({plot.name})"]
@@ -280,37 +175,8 @@ def plot_study(plan: Plan, table: StudyTable, path: Path) -> None:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("command", choices=["run", "report"])
-    ap.add_argument("--plan", required=True, help="the pre-registered plan (YAML)")
-    ap.add_argument("--json", help="the study table (default docs/results/<plan name>.json)")
-    ap.add_argument("--runs", help="run: where arms are trained (default runs/<plan name>)")
-    ap.add_argument("--seeds", help="run: comma-separated subset of the plan's seeds, in this order")
-    ap.add_argument("--arms", help="run: comma-separated subset of the plan's arms, in this order")
-    ap.add_argument("--max-minutes", type=float, help="run: start no new cell after this wall time")
-    ap.add_argument("--doc", help="report: the results doc whose study markers are rewritten")
-    ap.add_argument("--plot", help="report: the plot (default: the doc's name with .png)")
-    args = ap.parse_args(argv)
-    try:
-        if args.command == "run":
-            run(args.plan, args.json, args.runs, [int(s) for s in args.seeds.split(",")] if args.seeds else None,
-                args.arms.split(",") if args.arms else None, args.max_minutes)
-            return
-        from dlm.evaluation.study import write_study_section
-
-        if not args.doc:
-            raise DlmError("report: pass --doc DOC.md")
-        plan = Plan.load(args.plan)
-        check_plan(plan)
-        json_path = args.json or f"docs/results/{plan.name}.json"
-        table = StudyTable(json_path, plan)
-        doc = Path(args.doc)
-        plot = Path(args.plot) if args.plot else doc.with_suffix(".png")
-        write_study_section(doc, report_lines(plan, table, args.plan, json_path, doc, plot),
-                            title=f"Mask discrepancy: {plan.name}")
-        print(f"wrote {doc}" + (f" and {plot}" if table.cells else ""))
-    except DlmError as e:
-        raise SystemExit(f"mask_discrepancy_study.py {args.command}: {e}") from None
+    measure_study.main(argv, description=__doc__, driver="mask_discrepancy_study.py", title="Mask discrepancy",
+                       check_plan=check_plan, run=run, report_lines=report_lines)
 
 
 if __name__ == "__main__":

@@ -30,10 +30,7 @@ driver's `compare`: the difference a − b averaged over seeds per item, a boots
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import datetime
-import os
 import sys
 import time
 from pathlib import Path
@@ -44,10 +41,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import mask_discrepancy_study as mds  # noqa: E402
+import measure_study  # noqa: E402
 import tess2_tinymath as tt  # noqa: E402
+from measure_study import comparison_lines, header_lines, mean_sd  # noqa: E402
 
-from dlm.errors import DlmError  # noqa: E402
 from dlm.evaluation.study import Plan, StudyError, StudyTable, problems_digest  # noqa: E402
 
 KINDS = ("loss", "prefix")
@@ -90,15 +87,6 @@ def passage_losses(model, tok, records: list[dict]) -> list[float]:
 
 class ShakespeareStudy(tt.Study):
     """tess2_tinymath's Study (training, pins, donors, --max-minutes) with loss and prefix measure cells."""
-
-    def problems(self, key: str) -> list[dict] | None:
-        if key not in self.records:
-            path = Path(self.s["data_dir"]) / self.s["eval_files"][key]
-            n = (self.s.get("eval_n") or {}).get(key, self.s["n"])
-            self.records[key] = tt.read_jsonl(path, required=("prompt", "response"))[:n] if path.is_file() else None
-            if self.records[key] is None:
-                print(f"{path}: not found; cells of evaluation {key!r} stay missing until it exists", flush=True)
-        return self.records[key]
 
     def run(self) -> int:
         from dlm.evaluation.intrinsic import _score, intrinsic_metrics
@@ -173,29 +161,14 @@ def run(plan_path, json_path=None, seeds=None, arms=None, max_minutes=None, trai
 
 
 # ---- the report ---------------------------------------------------------------------------------------------------
-def _mean_sd(vals: list, fmt: str) -> str:
-    vals = [v for v in vals if v is not None]
-    if not vals:
-        return "–"
-    return f"{np.mean(vals):{fmt}}" + (f" ± {np.std(vals, ddof=1):{fmt}}" if len(vals) > 1 else "")
-
-
 def report_lines(plan: Plan, table: StudyTable, plan_path: str, json_path: str, doc: Path) -> list[str]:
-    rel = lambda p: os.path.relpath(Path(p).resolve(), doc.resolve().parent)  # noqa: E731
-    planned = sum(len(plan.planned_arms(k)) for k in plan.evals) * len(plan.seeds)
-    lines = [f"<!-- written by benchmarks/tess2_shakespeare_study.py from {json_path}; edit outside the markers -->",
-             "", f"Plan [`{Path(plan_path).name}`]({rel(plan_path)}) (digest `{plan.digest}`), table "
-             f"[`{Path(json_path).name}`]({rel(json_path)}), {len(table.cells)} of {planned} cells, generated "
-             f"{datetime.date.today().isoformat()}. Pinned models: "
-             + (", ".join(f"{k} `{v}`" for k, v in table.pins.items()) or "none yet") + ".", "",
-             "Regenerate with:", "",
-             f"    python benchmarks/tess2_shakespeare_study.py report --plan {plan_path} --doc {doc}", ""]
+    lines = header_lines("tess2_shakespeare_study.py", plan, table, plan_path, json_path, doc)
     if "loss" in plan.evals:
         lines += ["Held-out simplex loss per generated token (mean over passages, then mean ± sd over seeds):", "",
                   "| arm | seeds | loss |", "|---|---|---|"]
         for arm in plan.planned_arms("loss"):
             cells = [table.cell(arm, x, "loss") for x in plan.seeds if table.has(arm, x, "loss")]
-            lines.append(f"| {arm} | {len(cells)} | {_mean_sd([np.mean(c['values']) for c in cells], '.3f')} |")
+            lines.append(f"| {arm} | {len(cells)} | {mean_sd([np.mean(c['values']) for c in cells], '.3f')} |")
         lines.append("")
     if "prefix" in plan.evals:
         lines += ["Generations for the prefix prompts, scored by the held-out reference AR (mean ± sd over seeds):",
@@ -203,43 +176,17 @@ def report_lines(plan: Plan, table: StudyTable, plan_path: str, json_path: str, 
         for arm in plan.planned_arms("prefix"):
             cells = [table.cell(arm, x, "prefix") for x in plan.seeds if table.has(arm, x, "prefix")]
             lines.append(f"| {arm} | {len(cells)} | " + " | ".join(
-                _mean_sd([c["metrics"].get(m) for c in cells], ".3f" if m in ("mauve", "dist_2") else ".2f")
+                mean_sd([c["metrics"].get(m) for c in cells], ".3f" if m in ("mauve", "dist_2") else ".2f")
                 for m in METRICS) + " |")
         lines.append("")
-    lines += mds.comparison_lines(plan, table, "per item")
-    missing = list(table.missing())
-    lines += ["", "Missing cells: " + (", ".join(f"{a} seed {x} {k}" for a, x, k in missing) if missing else "none")]
+    lines += comparison_lines(plan, table, "per item")
     return lines
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("command", choices=["run", "report"])
-    ap.add_argument("--plan", required=True, help="the pre-registered plan (YAML)")
-    ap.add_argument("--json", help="the study table (default docs/results/<plan name>.json)")
-    ap.add_argument("--seeds", help="run: comma-separated subset of the plan's seeds, in this order")
-    ap.add_argument("--arms", help="run: comma-separated subset of the plan's arms, in this order")
-    ap.add_argument("--max-minutes", type=float, help="run: stop (a training with a checkpoint) after this wall time")
-    ap.add_argument("--doc", help="report: the results doc whose study markers are rewritten")
-    args = ap.parse_args(argv)
-    try:
-        if args.command == "run":
-            run(args.plan, args.json, [int(x) for x in args.seeds.split(",")] if args.seeds else None,
-                args.arms.split(",") if args.arms else None, args.max_minutes)
-            return
-        from dlm.evaluation.study import write_study_section
-
-        if not args.doc:
-            raise DlmError("report: pass --doc DOC.md")
-        plan = Plan.load(args.plan)
-        check_plan(plan)
-        json_path = args.json or f"docs/results/{plan.name}.json"
-        doc = Path(args.doc)
-        write_study_section(doc, report_lines(plan, StudyTable(json_path, plan), args.plan, json_path, doc),
-                            title=f"TESS 2 on Shakespeare: {plan.name}")
-        print(f"wrote {doc}")
-    except DlmError as e:
-        raise SystemExit(f"tess2_shakespeare_study.py {args.command}: {e}") from None
+    measure_study.main(argv, description=__doc__, driver="tess2_shakespeare_study.py",
+                       title="TESS 2 on Shakespeare", check_plan=check_plan, run=run, report_lines=report_lines,
+                       runs=False, plot=False)
 
 
 if __name__ == "__main__":

@@ -314,7 +314,8 @@ def report_easy(json_path: str | Path, doc: str | Path) -> list[str]:
 class Study:
     """A plan's models (trained on first use, fingerprints pinned in the table) and its cells.
 
-    settings: data_dir, runs_dir, n, max_new_tokens, batch_size, eval_files {eval: jsonl in data_dir},
+    settings: data_dir, runs_dir, n (eval_n {eval: n} for another n in one evaluation), max_new_tokens, batch_size,
+    eval_files {eval: jsonl in data_dir},
     train {model: {recipe, set, seed (an integer, or `study` = one model per study seed), init_from, out_dir}},
     eval_arms {eval: [arms]} (an evaluation run on some arms only), arm_settings {arm: {model, sampler options;
     reward_model names a trained model}}, reward_scorer (a trained reward model scoring every simplex cell's outputs),
@@ -396,8 +397,8 @@ class Study:
     def problems(self, key: str) -> list[dict] | None:
         if key not in self.records:
             path = Path(self.s["data_dir"]) / self.s["eval_files"][key]
-            self.records[key] = read_jsonl(path, required=("prompt", "response"))[: self.s["n"]] \
-                if path.is_file() else None
+            n = (self.s.get("eval_n") or {}).get(key, self.s["n"])  # settings.eval_n: another n for one evaluation
+            self.records[key] = read_jsonl(path, required=("prompt", "response"))[:n] if path.is_file() else None
             if self.records[key] is None:
                 print(f"{path}: not found; cells of evaluation {key!r} stay missing until it exists", flush=True)
         return self.records[key]

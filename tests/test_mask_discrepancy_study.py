@@ -70,7 +70,9 @@ def test_mask_discrepancy_study_runs_resumes_and_reports(tmp_path, monkeypatch):
     assert r["n_seeds"] == 2 and f"{r['difference']:+.3f}, 95 % CI [{r['low']:+.3f}" in text
     assert f"→ **{r['verdict']}**" in text and r["verdict"] in ("partly", "not")  # 2 seeds: never reproduced
     # the pairing: each problem's mean over the ratios both arms have, then averaged over seeds
-    a, b = study._paired_over_ratios(table, "pu", "mdm", "u=2", [0, 1])
+    import measure_study
+
+    a, b = measure_study._paired(table, "pu", "mdm", "u=2", [0, 1])
     assert r["difference"] == pytest.approx(float(np.nanmean(np.nanmean(a - b, axis=0))))
 
 
