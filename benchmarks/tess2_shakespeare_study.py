@@ -95,12 +95,7 @@ class ShakespeareStudy(tt.Study):
         from dlm.sampling.options import parse_options
 
         added = 0
-        missing = set(self.table.missing())
-        for arm, seed, key in [(a, s, k) for s in self.seeds for a in self.arms for k in self.plan.evals
-                               if (a, s, k) in missing]:
-            if self.out_of_time():
-                print("--max-minutes reached; the next call resumes here", flush=True)
-                break
+        for arm, seed, key in self.pending():
             spec = dict(self.s["arm_settings"][arm])
             try:
                 model_dir = self.model(spec.pop("model"), seed)
@@ -113,7 +108,7 @@ class ShakespeareStudy(tt.Study):
                 continue
             model, tok = load_for_inference(model_dir)
             t0 = time.perf_counter()
-            extra: dict = {"model": str(model_dir), "weights": tt.fingerprint(model_dir)}
+            extra: dict = {"model": str(model_dir)}  # its weights are pinned in the table (Study.model)
             if key == "loss":
                 if model.spec.family != "simplex":
                     raise StudyError(f"{self.plan.source}: arm {arm} is not a simplex model; list only simplex arms "

@@ -403,16 +403,21 @@ class Study:
                 print(f"{path}: not found; cells of evaluation {key!r} stay missing until it exists", flush=True)
         return self.records[key]
 
-    def run(self) -> int:
-        """Evaluate every missing cell of this run's seeds and arms (seed-major, in --seeds' and --arms' order);
-        returns how many were added."""
-        added, loaded = 0, {}
+    def pending(self):
+        """The missing (arm, seed, evaluation) cells of this run's seeds and arms, seed-major in --seeds' and --arms'
+        order, until --max-minutes runs out."""
         missing = set(self.table.missing())
         for arm, seed, key in [(a, s, k) for s in self.seeds for a in self.arms for k in self.plan.evals
                                if (a, s, k) in missing]:
             if self.out_of_time():
                 print("--max-minutes reached; the next call resumes here", flush=True)
-                break
+                return
+            yield arm, seed, key
+
+    def run(self) -> int:
+        """Evaluate every missing cell of this run's seeds and arms; returns how many were added."""
+        added, loaded = 0, {}
+        for arm, seed, key in self.pending():
             spec = dict(self.s["arm_settings"][arm])
             records = self.problems(key) if Path(self.s["data_dir"]).is_dir() else None
             donated = self.donors.take(arm, seed, key, problems_digest(records)) if records is not None else None
