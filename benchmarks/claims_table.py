@@ -45,6 +45,8 @@ VERDICT_RULE = """\
 - **not run**: no seed has both cells yet (or nothing was measured).
 - Claims that an arm *matches* another (`not worse than by more than m points`): *reproduced* when, with at least
   3 seeds, the CI's lower end is above −m; *not* when the mean difference is below −m; *partly* otherwise.
+- Claims that two arms stay *close* (`within ±m points`, either way): *reproduced* when, with at least 3 seeds, the
+  whole CI lies inside ±m; *not* when the mean difference lies outside ±m; *partly* otherwise.
 - Claims about a per-problem measure where less is the claim (the mask discrepancy D_mask): the same rule with the
   sign turned, on the difference of the measure (`dlm.evaluation.stats.compare_values`).
 
@@ -144,15 +146,15 @@ def _check_claim(claim, where: str) -> None:
         if set(s) - _STUDY:
             raise ClaimsError(f"{where}: unknown field(s) {sorted(set(s) - _STUDY)} in evidence.study")
         expect = s.setdefault("expect", "higher")
-        if expect not in ("higher", "not_lower", "lower"):
-            raise ClaimsError(f"{where}: field 'evidence.study.expect' must be higher, not_lower or (for a measure "
-                              f"such as D_mask, where less is the claim) lower, got {expect!r}")
+        if expect not in ("higher", "not_lower", "within", "lower"):
+            raise ClaimsError(f"{where}: field 'evidence.study.expect' must be higher, not_lower, within or (for a "
+                              f"measure such as D_mask, where less is the claim) lower, got {expect!r}")
         margin = s.get("margin")
-        if expect == "not_lower" and not (isinstance(margin, (int, float)) and margin >= 0):
+        if expect in ("not_lower", "within") and not (isinstance(margin, (int, float)) and margin >= 0):
             raise ClaimsError(f"{where}: field 'evidence.study.margin' (accuracy points >= 0) is needed with "
-                              f"expect: not_lower, got {margin!r}")
-        if expect == "higher" and margin is not None:
-            raise ClaimsError(f"{where}: field 'evidence.study.margin' only applies to expect: not_lower")
+                              f"expect: {expect}, got {margin!r}")
+        if expect in ("higher", "lower") and margin is not None:
+            raise ClaimsError(f"{where}: field 'evidence.study.margin' only applies to expect: not_lower or within")
         if "at_most" in s and (s["at_most"] != "partly" or not s.get("note")):
             raise ClaimsError(f"{where}: field 'evidence.study.at_most' can only be partly, with a note saying what "
                               f"the comparison leaves unmeasured; got {s['at_most']!r}"
@@ -387,7 +389,9 @@ def build_rows(data: dict, results: Path, plans: Path) -> list[dict]:
                                          *extra]), link=plan_link, kind=v,
                 note="; ".join(x for x in (
                     f"claim: {label_a} not worse than {label_b} by more than {ref['margin']} points"
-                    if ref["expect"] == "not_lower" else None,
+                    if ref["expect"] == "not_lower" else
+                    f"claim: {label_a} within ±{ref['margin']} points of {label_b}"
+                    if ref["expect"] == "within" else None,
                     " ".join(ref["note"].split()).rstrip(".") if ref.get("note") else None,
                     f"earlier one-seed measurement ({ev['legacy']['doc']}): {ev['legacy']['number']}"
                     if "legacy" in ev else None,

@@ -74,6 +74,13 @@ def test_verdicts_from_synthetic_study_tables(tmp_path):
     assert verdict(small | {"difference": -0.005, "low": -0.03, "high": 0.02}, "not_lower", 2) == "partly"
     assert verdict(worse, "not_lower", 2) == "not"
     assert verdict(one | {"difference": 0.0, "low": -0.01, "high": 0.01}, "not_lower", 2) == "partly"  # 1 seed
+    # "stays close" (within ±m either way): the whole CI inside ±m; a CI that reaches past +m is only partly, where
+    # not_lower would have called it reproduced
+    assert verdict(small | {"difference": 0.005, "low": -0.015, "high": 0.015}, "within", 2) == "reproduced"
+    wide = small | {"difference": 0.019, "low": -0.012, "high": 0.05}
+    assert verdict(wide, "within", 2) == "partly" and verdict(wide, "not_lower", 2) == "reproduced"
+    assert verdict(small | {"difference": -0.025, "low": -0.04, "high": -0.01}, "within", 2) == "not"
+    assert verdict(one | {"difference": 0.0, "low": -0.01, "high": 0.01}, "within", 2) == "partly"  # 1 seed
 
     claims = tmp_path / "claims.yaml"
     claims.write_text("claims:\n" + "".join([
@@ -150,6 +157,8 @@ def test_readme_block_is_replaced_and_links_point_into_docs(tmp_path):
     (_claim("x", "study: {plan: toy, arm_a: better, arm_b: b, eval: e, expect: lower}"), "'evidence.study.expect'"),
     (_claim("x", "study: {plan: toy, arm_a: better, arm_b: b, eval: e, expect: not_lower}"),
      "'evidence.study.margin'"),
+    (_claim("x", "study: {plan: toy, arm_a: better, arm_b: b, eval: e, expect: within}"), "'evidence.study.margin'"),
+    (_claim("x", "study: {plan: toy, arm_a: better, arm_b: b, eval: e, margin: 2}"), "only applies to expect"),
     (_claim("x", "legacy: {doc: a.md, number: '1', n: 3, seeds: 1, verdict: reproduced}"),
      "'evidence.legacy.verdict' says reproduced"),
     (_claim("x", "legacy: {doc: a.md, number: '1', n: 3, seeds: 1, verdict: maybe}"), "'evidence.legacy.verdict'"),

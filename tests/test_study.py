@@ -111,6 +111,20 @@ def test_compare_seeds_matches_a_slow_reference():
     assert same["difference"] == 0 and same["p_value"] == 1.0 and not same["consistent"]
 
 
+def test_equal_totals_are_exactly_no_difference_and_verdict_not():
+    """Two arms that solve as many problems in every seed, on different problems, differ by exactly 0: averaging
+    per-problem differences in floating point left ~3e-18, which the verdict rule counted as "a above b" (partly)."""
+    from dlm.evaluation.stats import seed_verdict
+
+    rng = np.random.default_rng(0)
+    a = rng.random((3, 300)) < 0.25
+    b = np.stack([rng.permutation(x) for x in a])  # the same count per seed, other problems
+    assert float((a.astype(float) - b).mean(axis=0).mean()) != 0  # the rounding this case used to hit
+    r = compare_seeds(a, b, n_resamples=500)
+    assert r["difference"] == 0 and r["per_seed_difference"] == [0, 0, 0]
+    assert seed_verdict(r, "higher") == "not" and seed_verdict(compare_seeds(b, a, n_resamples=500)) == "not"
+
+
 def test_sign_flip_p_reduces_to_mcnemar_for_one_seed_repeated():
     rng = np.random.default_rng(0)
     a = rng.random(120) < 0.5

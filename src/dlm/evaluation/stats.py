@@ -162,12 +162,12 @@ def compare_seeds(a: Sequence[Sequence[bool]], b: Sequence[Sequence[bool]], n_re
     B = np.stack([y for _, y in pairs]).astype(float)
     n = A.shape[1]
     d = (A - B).mean(axis=0)
-    diff = float(d.mean())
+    diff = float((A - B).sum() / A.size)  # from integer counts: equal totals give exactly 0 (d.mean() may not)
     rng = np.random.default_rng(seed)
     low, high = _bootstrap_ci(d, rng, n_resamples, confidence)
     p = mcnemar_exact(*pairs[0])["p_value"] if len(pairs) == 1 else _sign_flip_p(d, rng, n_resamples)
     acc_a, acc_b = A.mean(axis=1), B.mean(axis=1)
-    per_seed = (acc_a - acc_b).tolist()
+    per_seed = ((A - B).sum(axis=1) / n).tolist()
     mean_a, sd_a = mean_sd(acc_a)
     mean_b, sd_b = mean_sd(acc_b)
     _, sd_d = mean_sd(per_seed)
@@ -187,7 +187,9 @@ def seed_verdict(result: dict, expect: str = "higher", margin: float = 0.0) -> s
     difference positive; **partly** when the mean difference is positive but short of that; **not** otherwise (0 or
     the other sign). expect "not_lower" (a not worse than b by more than `margin` accuracy points): **not** when the
     mean difference is below -margin; **reproduced** with >= 3 seeds and the CI's lower end above -margin; **partly**
-    otherwise."""
+    otherwise. expect "within" (a and b within `margin` points of each other, either way: an equivalence):
+    **not** when the mean difference lies outside ±margin; **reproduced** with >= 3 seeds and the whole CI inside
+    ±margin; **partly** otherwise."""
     d, low, seeds = result["difference"], result["low"], result["n_seeds"]
     if expect == "higher":
         if seeds >= VERDICT_SEEDS and low > 0 and result["consistent"]:
@@ -198,7 +200,12 @@ def seed_verdict(result: dict, expect: str = "higher", margin: float = 0.0) -> s
         if d < -m:
             return "not"
         return "reproduced" if seeds >= VERDICT_SEEDS and low > -m else "partly"
-    raise DlmError(f"verdict: expect must be higher or not_lower, got {expect!r}")
+    if expect == "within":
+        m = margin / 100
+        if abs(d) > m:
+            return "not"
+        return "reproduced" if seeds >= VERDICT_SEEDS and -m < low and result["high"] < m else "partly"
+    raise DlmError(f"verdict: expect must be higher, not_lower or within, got {expect!r}")
 
 
 def format_seed_comparison(result: dict) -> str:
