@@ -53,7 +53,10 @@ VERDICT_RULE = """\
 The difference is arm a − arm b in accuracy on the same problems, averaged over seeds per problem; the CI resamples
 problems (`dlm.evaluation.stats.compare_seeds`: 10,000 bootstrap resamples; p: exact McNemar for one seed, a
 sign-flip test for several). Rows from earlier one-seed studies (legacy) quote their doc's numbers, read back from
-its JSON, and carry a verdict written by hand under the same rule: without 3 seeds and a CI none is *reproduced*."""
+its JSON, and carry a verdict written by hand under the same rule: without 3 seeds and a CI none is *reproduced*.
+A legacy row shows "—" for its CI where its study kept no per-problem outcomes (or measured no accuracy, such as
+timings), so no paired interval can be computed. Where a pre-registered plan measures the same claim, its row
+replaces the legacy one as soon as a seed has both cells."""
 
 
 class ClaimsError(DlmError):
@@ -483,6 +486,8 @@ def _time_to_go(plan: Plan, table: StudyTable | None) -> tuple[float, list[str]]
     for c in cells:
         if "copied_from" not in c and c.get("ms_per_problem"):
             evals.setdefault((c["arm"], c["eval"]), []).append(c["ms_per_problem"] * c["n"] / 1000)
+        elif "copied_from" not in c and "values" in c:  # a measure cell: its own seconds (0 if measured in training)
+            evals.setdefault((c["arm"], c["eval"]), []).append(float(c.get("seconds") or 0.0))
         if c.get("train_seconds") and not specs.get(c["arm"], {}).get("model_of"):
             trains.setdefault(c["arm"], {})[c["seed"]] = c["train_seconds"]
     total, unmeasured = 0.0, []
@@ -543,7 +548,7 @@ def _to_go_text(p: dict) -> str:
         return f"{p['to_go']:.1f}"
     if p["cells"] == 0:
         return "no cell yet to estimate from"
-    return f"{p['to_go']:.1f} + {', '.join(p['unmeasured'])} (not measured yet)"
+    return f"{p['to_go']:.1f} + {', '.join(p['unmeasured'])} (no recorded time to estimate from)"
 
 
 def render_results_readme(data: dict, rows: list[dict], date: str, progress: list[dict] | None = None) -> str:

@@ -4,7 +4,7 @@ training problem uses), its accuracy there beside the same decoding on the seen 
 (every problem's outcome).
 
     python benchmarks/unseen_report.py benchmarks/plans/pumba-table2.yaml benchmarks/plans/tess2-medium.yaml \\
-        benchmarks/plans/block-long.yaml --out docs/results/unseen-phrasing.md
+        benchmarks/plans/block-long.yaml benchmarks/plans/mdm-tinymath.yaml --out docs/results/unseen-phrasing.md
 
 Evaluation keys pair as `K/unseen` with `K` (PUMBA and block plans) and `unseen` with `test` (TESS 2 plans).
 Accuracy is the mean ± sd over the seeds the arm has on that split; the 95 % CI is a percentile bootstrap over

@@ -4,8 +4,9 @@ command runs as written").
     .venv/bin/python scripts/check_doc_commands.py                 # README.md and docs/**/*.md
     .venv/bin/python scripts/check_doc_commands.py docs/results/pumba-reinforce.md
 
-Every `dlm …` and `python benchmarks/*.py` / `python scripts/*.py` command in a ```bash block (continuation lines
-joined, `VAR=value` prefixes, `.venv/bin/` and `&&`/`;` chains understood) is checked in one process:
+Every `dlm …` and `python benchmarks/*.py` / `python scripts/*.py` command in a ```bash block, an indented code
+block or an inline "Command: `…`" line (continuation lines joined, `VAR=value` prefixes, `.venv/bin/` and `&&`/`;`
+chains understood) is checked in one process:
 - the script exists and its argument parser accepts the command's arguments (the parser runs, then the command is
   stopped before it does any work);
 - `dlm train RECIPE --set …` also loads the recipe with its overrides (`dlm.config.load_recipe`), so a renamed field
@@ -39,9 +40,15 @@ class _Parsed(Exception):
         self.namespace = namespace
 
 
+COMMAND_START = re.compile(r"(?:[A-Z_]+=\S+\s+)*(?:\.venv/bin/)?(?:dlm|python)\s")
+INLINE = re.compile(r"^\W*command:\s*`([^`]+)`", re.IGNORECASE)
+
+
 def commands(path: Path) -> list[tuple[int, str]]:
-    """(line number, command) for every command line in the doc's ```bash blocks, continuations joined."""
+    """(line number, command) for every command line in the doc's ```bash blocks, continuations joined; also a
+    command in an indented code block (4 spaces after a blank line) and an inline "Command: `…`" line."""
     out, in_block, pending, start = [], False, "", 0
+    indented, previous_blank = False, True
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
         stripped = line.strip()
         if stripped.startswith("```"):
@@ -49,7 +56,16 @@ def commands(path: Path) -> list[tuple[int, str]]:
             pending = ""
             continue
         if not in_block:
-            continue
+            # an indented block: a command line after a blank line, or the next line of one (a continuation)
+            indented = line.startswith("    ") and bool(stripped) and (
+                (previous_blank and COMMAND_START.match(stripped) is not None) or indented)
+            previous_blank = not stripped
+            inline = INLINE.match(line)
+            if inline and COMMAND_START.match(inline.group(1) + " "):
+                out.append((number, inline.group(1).strip()))
+            if not indented:
+                pending = ""
+                continue
         if not pending:
             start = number
         if stripped.endswith("\\"):

@@ -236,7 +236,7 @@ def test_study_progress_counts_each_plans_complete_arms_and_seeds(tmp_path):
     lines = claims_table.render_progress(list(progress.values()))
     row = next(x for x in lines if x.startswith("| [toy]"))
     assert "| 14 / 18 | 8 / 12 | slightly, worse | seed 0: 4/4, seed 1: 2/4, seed 2: 2/4 |" in row
-    assert row.endswith("| 0.0 + better, b (not measured yet) |")
+    assert row.endswith("| 0.0 + better, b (no recorded time to estimate from) |")
     assert next(x for x in lines if x.startswith("| empty")).endswith("| no cell yet to estimate from |")
     # a plan whose header says it was stopped shows that instead of an estimate (its digest is unchanged: a comment)
     (plans / "toy.yaml").write_text("# STOPPED (2026-12-05): too slow\n" + (plans / "toy.yaml").read_text())
@@ -322,3 +322,17 @@ def test_a_measure_table_gets_its_verdict_in_the_claimed_direction(tmp_path):
     claims.write_text("claims:\n" + _claim("dm", "study: {plan: dm, arm_a: pu, arm_b: mdm, eval: u=2}"))
     with pytest.raises(ClaimsError, match="does not apply to a measure table"):
         _run(claims, results, plans)
+
+
+def test_time_to_go_estimates_measure_tables_from_their_cells(tmp_path):
+    """A measure table (held-out loss measured during training: no ms_per_problem) is estimated from its cells'
+    training time and own seconds, not listed as unmeasured."""
+    plans, results = tmp_path / "plans", tmp_path / "results"
+    plans.mkdir()
+    (plans / "m.yaml").write_text("name: m\narms: [a, b]\nseeds: [0, 1, 2]\nevals: [val]\n")
+    plan = Plan.load(plans / "m.yaml")
+    table = StudyTable(results / "m.json", plan)
+    table.add_measure("a", 0, "val", [1.0, 2.0], problems="p", train_seconds=300.0)
+    table.add_measure("b", 0, "val", [1.0, 2.0], problems="p", train_seconds=600.0, seconds=60.0)
+    to_go, unmeasured = claims_table._time_to_go(plan, table)
+    assert unmeasured == [] and to_go == pytest.approx(2 * 300 + 2 * (600 + 60))

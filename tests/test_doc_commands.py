@@ -39,3 +39,23 @@ def test_shipped_docs_commands_are_accepted():
     assert result.returncode == 0, result.stdout + result.stderr
     checked = int(result.stdout.split()[-7])
     assert checked >= 100
+
+
+def test_indented_blocks_and_inline_command_lines_are_checked_too(tmp_path):
+    doc = tmp_path / "doc.md"
+    doc.write_text("\n".join([
+        "Command: `python benchmarks/nothere.py --x 1`",                   # line 1: inline, no such script
+        "- command: `dlm eval runs/x --polcy threshold`",                  # line 2: inline, misspelt flag
+        "",
+        "    python benchmarks/starts.py restore",                         # line 4: indented block, fine
+        "    dlm train recipes/tinymath/ar.yaml \\",                        # lines 5-6: a continuation
+        "      --set train.stepz=5",
+        "    dlm eval runs/x --policy top_u",                              # line 7: the block's next line, fine
+        "",
+        "Prose that mentions `python benchmarks/nothere.py` in passing is not a command.",
+        "    python benchmarks/nothere.py                                  # no blank line before: list text", ""]))
+    result = run(doc)
+    lines = result.stdout.splitlines()
+    assert lines[-1] == "5 documented commands checked, 3 not accepted", result.stdout
+    assert [line.split(":")[1] for line in lines[:-1]] == ["1", "2", "5"]
+    assert "no such script" in lines[0] and "--polcy" in lines[1] and "train.stepz: unknown key" in lines[2]
