@@ -145,6 +145,12 @@ class ShakespeareStudy(tt.Study):
 def run(plan_path, json_path=None, seeds=None, arms=None, max_minutes=None, train_fn=None) -> int:
     plan = Plan.load(plan_path)
     check_plan(plan)
+    data = Path(plan.settings["data_dir"])
+    if not (data / "train.jsonl").is_file():  # a fresh runs/: write it as the plan's header does
+        from dlm.data.shakespeare import write_shakespeare
+
+        print(f"{data}: no data yet; writing it (`dlm data shakespeare --out {data}`, the default splits)", flush=True)
+        write_shakespeare(data)
     table = StudyTable(json_path or ROOT / "docs" / "results" / f"{plan.name}.json", plan)
     deadline = None if max_minutes is None else time.time() + 60 * max_minutes
     # the training side (tess2_tinymath's Study) checks the plan its own way, where comparisons are [a, b] pairs

