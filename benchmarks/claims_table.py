@@ -276,6 +276,8 @@ def study_evidence(ref: dict, results: Path, plans: Path, where: str) -> dict:
             out["result"] = table.compare(ref["arm_a"], ref["arm_b"], ref["eval"], key_b)
         except (StudyError, DlmError) as e:
             raise ClaimsError(f"{where}: {e}") from None
+        out["copies"] = len(out["result"].get("copies", []))  # seeds that repeat one measurement of fixed weights
+        out["done"] -= out["copies"]
     comparisons = (plan.settings or {}).get("comparisons")
     if isinstance(comparisons, list):  # {a, b, eval[, eval_b]} mappings, or [a, b] pairs that hold for every eval
         planned_pairs = set()
@@ -386,7 +388,8 @@ def build_rows(data: dict, results: Path, plans: Path) -> list[dict]:
                 dlm_number=f"{label_a} {_pct(r['accuracy_a'], r['sd_a'])} vs {label_b} "
                            f"{_pct(r['accuracy_b'], r['sd_b'])} % ({100 * r['difference']:+.1f})"
                            + ("" if ref.get("eval_b") else f", {ref['eval']}"),
-                n=str(r["n"]), seeds=f"{st['done']}/{st['planned']}" + (" (frozen)" if st.get("frozen") else ""),
+                n=str(r["n"]), seeds=f"{st['done']}/{st['planned']}" + (" (frozen)" if st.get("frozen") else "")
+                + (" (fixed weights: its other seeds repeat this measurement)" if st.get("copies") else ""),
                 ci=f"[{100 * r['low']:+.1f}, {100 * r['high']:+.1f}], p = {r['p_value']:#.2g}",
                 verdict_text=" · ".join([v + (" (capped: the comparison alone reproduces)" if capped else ""),
                                          *extra]), link=plan_link, kind=v,

@@ -53,7 +53,8 @@ def section(table, plan_path: str, json_path: str, out: str, plot: str | None = 
               ""]
     n = {k: next((c["n"] for c in table.cells if c["eval"] == k), None) for k in plan.evals}
     lines += ["Accuracy (%), mean ± sd over seeds, per-seed values in brackets (seed order "
-              f"{', '.join(map(str, plan.seeds))}); n = problems per evaluation.", ""]
+              f"{', '.join(map(str, plan.seeds))}); n = problems per evaluation. A fixed start (the same weights "
+              "decoded the same way in every seed) shows its one measurement once.", ""]
     head = ["arm", "updates", "denoiser passes", "train s (mean)", "seeds"] + [f"{k} (n={n[k] or '–'})"
                                                                               for k in plan.evals]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -98,8 +99,11 @@ def section(table, plan_path: str, json_path: str, out: str, plot: str | None = 
             v = seed_verdict(r, expect, margin) + f" (match within {margin:g} points)"
         else:
             v = seed_verdict(r) + (" (CI excludes 0)" if r["high"] < 0 else "")
-        if r["n_seeds"] < len(plan.seeds):
-            v += f" (provisional: {r['n_seeds']} of {len(plan.seeds)} seeds)"
+        if r["n_seeds"] + len(r.get("copies", [])) < len(plan.seeds):
+            v += f" (provisional: {r['n_seeds'] + len(r.get('copies', []))} of {len(plan.seeds)} seeds)"
+        if r.get("copies"):  # fixed weights decoded greedily: every seed repeats one measurement
+            v += f" (seed{'s' if len(r['copies']) > 1 else ''} {', '.join(map(str, r['copies']))}: the same weights " \
+                 "decoded the same way, not counted again)"
         lines.append(f"| {c.get('claim', '')} | {where} | {format_seed_comparison(r)} | **{v}** |")
     mixed = sorted({(c["arm"], c["seed"]) for c in table.cells for d in table.cells
                     if (c["arm"], c["seed"]) == (d["arm"], d["seed"]) and c.get("model") != d.get("model")})

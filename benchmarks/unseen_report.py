@@ -35,7 +35,7 @@ def split_summary(table, arm: str, key: str, n_resamples: int = 10_000) -> dict 
     """Mean ± sd over seeds, and a bootstrap CI over problems of the seed-averaged outcome; None without cells."""
     from dlm.evaluation.stats import mean_sd
 
-    cells = [table.cell(arm, s, key) for s in table.plan.seeds if table.has(arm, s, key)]
+    cells = table.distinct([table.cell(arm, s, key) for s in table.plan.seeds if table.has(arm, s, key)])
     if not cells:
         return None
     outcomes = np.array([c["correct"] for c in cells], dtype=float).mean(axis=0)

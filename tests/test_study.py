@@ -94,6 +94,25 @@ def test_summary_and_compare_pair_by_problem(tmp_path):
         t.compare("w2", "mdm", "u=2", key_b="u=2/unseen")
 
 
+def test_compare_counts_a_repeated_measurement_of_fixed_weights_once(tmp_path):
+    """Two fixed starts decoded greedily give the same cells in every seed (the drivers copy them): comparing them
+    over three seeds is one measurement, not three; a seed where one arm was trained again still counts."""
+    t = StudyTable(tmp_path / "t.json", _plan(tmp_path))
+    a, b = [1, 1, 0, 1], [0, 1, 0, 0]
+    for s in range(3):
+        t.add("w2", s, "u=2", _result(a), problems="p", model="wa", decode="d")
+        t.add("mdm", s, "u=2", _result(b), problems="p", model="wb", decode="d")
+    c = t.compare("w2", "mdm", "u=2")
+    assert c["seeds"] == [0] and c["copies"] == [1, 2] and c["n_seeds"] == 1 and c["test"] == "mcnemar"
+    s = t.summary("w2", "u=2")
+    assert s["seeds"] == [0] and s["per_seed"] == [0.75] and s["sd"] is None  # not "75.0 ± 0.0 over 3 seeds"
+    t.add("w2", 0, "u=2/unseen", _result(a), problems="q", model="wa", decode="e")
+    t.add("mdm", 0, "u=2/unseen", _result(b), problems="q", model="wb", decode="e")
+    t.add("w2", 1, "u=2/unseen", _result(a), problems="q", model="wa", decode="e")
+    t.add("mdm", 1, "u=2/unseen", _result(a), problems="q", model="wb-seed1", decode="e")  # trained again
+    assert t.compare("w2", "mdm", "u=2/unseen")["seeds"] == [0, 1]
+
+
 def test_compare_seeds_matches_a_slow_reference():
     rng = np.random.default_rng(3)
     a = rng.random((3, 200)) < 0.55

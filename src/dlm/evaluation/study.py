@@ -243,28 +243,55 @@ class StudyTable:
         """Seeds in which every given arm has the evaluation `key`."""
         return [s for s in self.plan.seeds if all(self.has(a, s, key) for a in arms)]
 
+    @staticmethod
+    def distinct(cells: list[dict]) -> list[dict]:
+        """`cells` less those that repeat an earlier one's measurement: the same weights decoded the same way (a
+        fixed start decoded greedily has one outcome whatever the seed; the drivers copy it into every seed)."""
+        seen, out = set(), []
+        for c in cells:
+            same = (c.get("model"), c.get("decode"))
+            if None not in same and same in seen:
+                continue
+            seen.add(same)
+            out.append(c)
+        return out
+
     def summary(self, arm: str, key: str) -> dict:
-        """Accuracy mean ± sd over the seeds this arm has, with the per-seed values."""
+        """Accuracy mean ± sd over the seeds this arm has, with the per-seed values; a seed whose cell repeats an
+        earlier seed's measurement (`distinct`) is not counted again."""
         cells = [c for c in self.cells if c["arm"] == arm and c["eval"] == key]
         if not cells:
             return {"arm": arm, "eval": key, "seeds": [], "mean": None, "sd": None, "per_seed": [], "n": None}
         cells.sort(key=lambda c: self.plan.seeds.index(c["seed"]))
+        cells = self.distinct(cells)
         mean, sd = mean_sd([c["accuracy"] for c in cells])
         return {"arm": arm, "eval": key, "seeds": [c["seed"] for c in cells], "mean": mean, "sd": sd,
                 "per_seed": [c["accuracy"] for c in cells], "n": cells[0]["n"],
                 "mean_nfe": sum(c.get("mean_nfe", 0) for c in cells) / len(cells)}
 
     def compare(self, arm_a: str, arm_b: str, key: str, key_b: str | None = None, **kw) -> dict:
-        """Paired comparison of two arms (or of one arm under two evaluations) over the seeds both have."""
+        """Paired comparison of two arms (or of one arm under two evaluations) over the seeds both have. A seed whose
+        two cells decode the same weights the same way as an earlier seed's two (two fixed starts, greedy: the
+        drivers copy such cells) repeats that measurement and is not counted again; it is listed as `copies`."""
         key_b = key_b or key
         seeds = [s for s in self.plan.seeds if self.has(arm_a, s, key) and self.has(arm_b, s, key_b)]
         if not seeds:
             raise StudyError(f"{self.path}: no seed has both ({arm_a}, {key}) and ({arm_b}, {key_b})")
+        kept, copies, seen = [], [], set()
+        for s in seeds:
+            ca, cb = self.cell(arm_a, s, key), self.cell(arm_b, s, key_b)
+            same = (ca.get("model"), ca.get("decode"), cb.get("model"), cb.get("decode"))
+            if None not in same and same in seen:
+                copies.append(s)
+                continue
+            seen.add(same)
+            kept.append(s)
+        seeds = kept
         a, b = [self.cell(arm_a, s, key) for s in seeds], [self.cell(arm_b, s, key_b) for s in seeds]
         if len({c["problems"] for c in a + b}) != 1:
             raise StudyError(f"{self.path}: ({arm_a}, {key}) and ({arm_b}, {key_b}) were not all scored on the same "
                              f"problems (seeds {seeds}); they cannot be paired")
-        return {"arm_a": arm_a, "arm_b": arm_b, "eval": key, "eval_b": key_b, "seeds": seeds,
+        return {"arm_a": arm_a, "arm_b": arm_b, "eval": key, "eval_b": key_b, "seeds": seeds, "copies": copies,
                 **compare_seeds([c["correct"] for c in a], [c["correct"] for c in b], **kw)}
 
 
