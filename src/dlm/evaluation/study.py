@@ -247,14 +247,7 @@ class StudyTable:
     def distinct(cells: list[dict]) -> list[dict]:
         """`cells` less those that repeat an earlier one's measurement: the same weights decoded the same way (a
         fixed start decoded greedily has one outcome whatever the seed; the drivers copy it into every seed)."""
-        seen, out = set(), []
-        for c in cells:
-            same = (c.get("model"), c.get("decode"))
-            if None not in same and same in seen:
-                continue
-            seen.add(same)
-            out.append(c)
-        return out
+        return _split_repeats(cells, _measurement)[0]
 
     def summary(self, arm: str, key: str) -> dict:
         """Accuracy mean ± sd over the seeds this arm has, with the per-seed values; a seed whose cell repeats an
@@ -277,22 +270,29 @@ class StudyTable:
         seeds = [s for s in self.plan.seeds if self.has(arm_a, s, key) and self.has(arm_b, s, key_b)]
         if not seeds:
             raise StudyError(f"{self.path}: no seed has both ({arm_a}, {key}) and ({arm_b}, {key_b})")
-        kept, copies, seen = [], [], set()
-        for s in seeds:
-            ca, cb = self.cell(arm_a, s, key), self.cell(arm_b, s, key_b)
-            same = (ca.get("model"), ca.get("decode"), cb.get("model"), cb.get("decode"))
-            if None not in same and same in seen:
-                copies.append(s)
-                continue
-            seen.add(same)
-            kept.append(s)
-        seeds = kept
+        seeds, copies = _split_repeats(
+            seeds, lambda s: _measurement(self.cell(arm_a, s, key)) + _measurement(self.cell(arm_b, s, key_b)))
         a, b = [self.cell(arm_a, s, key) for s in seeds], [self.cell(arm_b, s, key_b) for s in seeds]
         if len({c["problems"] for c in a + b}) != 1:
             raise StudyError(f"{self.path}: ({arm_a}, {key}) and ({arm_b}, {key_b}) were not all scored on the same "
                              f"problems (seeds {seeds}); they cannot be paired")
         return {"arm_a": arm_a, "arm_b": arm_b, "eval": key, "eval_b": key_b, "seeds": seeds, "copies": copies,
                 **compare_seeds([c["correct"] for c in a], [c["correct"] for c in b], **kw)}
+
+
+def _measurement(cell: dict) -> tuple:
+    """What a cell measured: its weights and its decoding (None where a driver does not record them)."""
+    return cell.get("model"), cell.get("decode")
+
+
+def _split_repeats(items: list, key) -> tuple[list, list]:
+    """(kept, repeats): an item whose key (fully recorded: no None in it) equals an earlier item's is a repeat."""
+    seen, kept, repeats = set(), [], []
+    for x in items:
+        k = key(x)
+        (repeats if None not in k and k in seen else kept).append(x)
+        seen.add(k)
+    return kept, repeats
 
 
 def donor_tables(plan: Plan, paths) -> list[tuple[Plan, StudyTable]]:
