@@ -4,6 +4,7 @@ checkpoints, EMA, and the AR objective's loss."""
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -203,6 +204,9 @@ def test_wall_clock_cap_stops_early_says_so_and_resumes_to_the_end(tmp_path, cap
     run = train(recipe, progress=False)
     out = capsys.readouterr().out
     assert "stopped at update 1 of 6: train.max_minutes=1e-09 reached" in out
+    # the end-of-run test line says how many problems it scored and that the model is the stopped one
+    assert re.search(r"test accuracy: \d+\.\d% on 10 problems \(mean NFE [\d.]+; the model stopped at update 1 of 6\)",
+                     out), out
     assert json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 1
     # the checkpoint records the training seconds so far, and the resumed run adds its own to them (the study
     # drivers report a resumed arm's whole training time from it): plant a large figure to see it carried over
@@ -212,7 +216,9 @@ def test_wall_clock_cap_stops_early_says_so_and_resumes_to_the_end(tmp_path, cap
     state["train_seconds"] = 1000.0
     torch.save(state, first / "trainer.pt")
     train(small_recipe(tmp_path / "cap", tmp_path / "data", "train.steps=6"), resume=True, progress=False)
-    assert "stopped at update" not in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "stopped at update" not in out
+    assert re.search(r"test accuracy: \d+\.\d% on 10 problems \(mean NFE [\d.]+\)", out), out
     assert json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 6
     last = ckpt.latest(run / "checkpoints")
     total = torch.load(last / "trainer.pt", weights_only=False)["train_seconds"]

@@ -496,7 +496,11 @@ def train(recipe: Recipe, resume: bool = False, progress: bool = True) -> Path:
             samples = result.pop("samples")
             (run_dir / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
             (run_dir / "test_samples.jsonl").write_text("".join(json.dumps(x) + "\n" for x in samples))
-            print(f"test accuracy: {100 * result['eval/accuracy']:.1f}% (mean NFE {result['eval/mean_nfe']:.1f})")
+            n = result["eval/n"]
+            early = f"; the model stopped at update {trainer.step} of {recipe.train.steps}" \
+                if trainer.step < recipe.train.steps else ""
+            print(f"test accuracy: {100 * result['eval/accuracy']:.1f}% on {n} problem{'s' * (n != 1)} "
+                  f"(mean NFE {result['eval/mean_nfe']:.1f}{early})")
     return run_dir
 
 
