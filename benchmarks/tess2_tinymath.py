@@ -328,9 +328,12 @@ class Study:
         self.arms = subset("arms", arms, plan.arms)
         self.train_fn = train_fn or _train
         self.models: dict[tuple[str, int], Path] = {}
+        self.weights: dict[Path, str] = {}  # a trained model's fingerprint
         self.records: dict[str, list[dict] | None] = {}
         check_plan(plan)
         self.donors = Donors(plan, table, reuse)
+        self.families: dict[str, str] = {}
+        backfill_measurements(plan, table)
 
     def out_of_time(self) -> bool:
         return self.deadline is not None and time.time() > self.deadline
@@ -370,7 +373,7 @@ class Study:
             print(f"{pin}: trained again ({weights}; {old} was pinned, but no cell used it), pinned anew", flush=True)
             self.table.unpin(pin)
         self.table.pin(pin, weights)
-        self.models[key] = model_dir
+        self.models[key], self.weights[model_dir] = model_dir, weights
         return model_dir
 
     def used(self, name: str, seed: int | None) -> bool:
@@ -437,19 +440,36 @@ class Study:
             records = self.problems(key)
             if records is None:
                 continue
+            name = self.s["arm_settings"][arm]["model"]
+            family = self.families.setdefault(name, model_family(self.s, name))
+            options = parse_options(family, {k: str(v) if isinstance(v, Path) else v for k, v in spec.items()})
+            problems = problems_digest(records)
+            dumped = options.model_dump(mode="json", exclude_unset=True)
+            decode = decode_signature(family, dumped, problems, self.s["max_new_tokens"], seed,
+                                      self.weights[scorer] if scorer is not None else None)
+            extra = {"model": self.weights[model_dir], "decode": decode, "run": str(model_dir), "options": dumped}
+            twin = next((c for c in self.table.cells if (c.get("model"), c.get("decode")) == (extra["model"], decode)),
+                        None)
+            if twin is not None:  # these weights decoded this way already (the greedy AR in another seed)
+                result = {"samples": [{"correct": x} for x in twin["correct"]],
+                          **{k: twin[k] for k in ("mean_nfe", "ms_per_problem") if k in twin}}
+                extra.update({k: twin[k] for k in ("mean_reward",) if k in twin},
+                             copied_from=[twin["arm"], twin["seed"], twin["eval"]])
+                cell = self.table.add(arm, seed, key, result, problems=problems, **extra)
+                added += 1
+                print(f"{arm:>14s} seed {seed} {key:>7s}: {100 * cell['accuracy']:5.1f} % (n={cell['n']}, the same "
+                      f"measurement as {twin['arm']} seed {twin['seed']})", flush=True)
+                continue
             if model_dir not in loaded:
                 loaded = {model_dir: load_for_inference(model_dir)}  # one model in memory at a time
             model, tok = loaded[model_dir]
-            options = parse_options(model.spec.family, {k: str(v) if isinstance(v, Path) else v
-                                                        for k, v in spec.items()})
             r = evaluate(model, tok, records, options, batch_size=self.s.get("batch_size", 50),
                          max_new_tokens=self.s["max_new_tokens"], seed=seed)
-            extra = {"model": str(model_dir), "options": options.model_dump(mode="json", exclude_unset=True)}
             if scorer is not None and model.spec.family == "simplex":
                 rewards = score_texts(resolve_reward_model(scorer), tok, [x["prompt"] for x in records],
                                       [s["generation"] for s in r["samples"]], self.s.get("batch_size", 50))
                 extra["mean_reward"] = sum(rewards) / len(rewards)
-            cell = self.table.add(arm, seed, key, r, problems=problems_digest(records), **extra)
+            cell = self.table.add(arm, seed, key, r, problems=problems, **extra)
             added += 1
             print(f"{arm:>14s} seed {seed} {key:>7s}: {100 * cell['accuracy']:5.1f} % (n={cell['n']}, "
                   f"NFE {cell['mean_nfe']:.1f})", flush=True)
@@ -526,10 +546,67 @@ class Donors:
                 self.table.pin(name, value)  # refuses if we trained that stage to other weights
             result = {"samples": [{"correct": x} for x in c["correct"]],
                       **{k: c[k] for k in ("mean_nfe", "ms_per_problem") if k in c}}
-            extra = {k: c[k] for k in ("model", "options") if k in c}
+            extra = {k: c[k] for k in ("model", "decode", "run", "options") if k in c}
             return self.table.add(arm, seed, key, result, problems=problems, **extra,
                                   copied_from={"table": donor.name, "arm": d, "seed": seed, "eval": key})
         return None
+
+
+def decode_signature(family: str, options: dict, problems: str, max_new_tokens: int, seed: int,
+                     scorer: str | None = None) -> str:
+    """What decoding turned a cell's weights into its outcomes. The sampling seed belongs to it wherever decoding
+    draws noise (simplex: its starting logits; masked: conservatively); the AR arm decodes greedily (evaluate's
+    temperature 0), so its cells in every seed are one measurement. `scorer` is the reward scorer's fingerprint where
+    a simplex cell's mean reward comes from it."""
+    parts = [family, json.dumps(options, sort_keys=True), f"problems={problems}", f"max={max_new_tokens}"]
+    if family != "autoregressive":
+        parts.append(f"seed={seed}")
+    if scorer and family == "simplex":
+        parts.append(f"scorer={scorer}")
+    return "/".join(parts)
+
+
+def model_family(settings: dict, name: str) -> str:
+    """The family the plan's model `name` trains (from its recipe's objective; nothing is loaded)."""
+    from dlm.config import FAMILIES, load_recipe
+
+    entry = settings["train"][name]
+    return FAMILIES[load_recipe(entry["recipe"], list(entry.get("set", []))).train.objective]
+
+
+def backfill_measurements(plan: Plan, table: StudyTable) -> int:
+    """Give cells written before the driver recorded them their weights fingerprint (`model`, from the table's pins)
+    and decode signature, the path moving to `run`; then check that cells with one (weights, decoding) agree problem
+    by problem. Returns how many cells changed."""
+    s, families = plan.settings, {}
+
+    def pin(name: str, seed: int) -> str | None:
+        return table.pins.get(f"{name}/seed{seed}" if s["train"][name].get("seed") == "study" else name)
+
+    def fields(cell: dict) -> dict | None:
+        if "decode" in cell:
+            return None
+        name = s["arm_settings"][cell["arm"]]["model"]
+        weights = pin(name, cell["seed"])
+        if weights is None:
+            return None
+        family = families.setdefault(name, model_family(s, name))
+        scorer = pin(s["reward_scorer"], cell["seed"]) if s.get("reward_scorer") else None
+        return {"model": weights, "run": cell.get("model"),
+                "decode": decode_signature(family, cell.get("options", {}), cell["problems"], s["max_new_tokens"],
+                                           cell["seed"], scorer)}
+
+    changed = table.annotate(fields)
+    groups: dict = {}
+    for c in table.cells:
+        if c.get("decode"):
+            groups.setdefault((c["model"], c["decode"]), []).append(c)
+    for cells in groups.values():
+        if any(c["correct"] != cells[0]["correct"] for c in cells):
+            raise StudyError(f"{table.path}: cells {[(c['arm'], c['seed']) for c in cells]} decode the same weights "
+                             "the same way but their outcomes differ: the decoding depends on something the "
+                             "signature leaves out")
+    return changed
 
 
 class OutOfTime(Exception):
@@ -586,11 +663,15 @@ def check_plan(plan: Plan) -> None:
 
 
 # ---- the report -----------------------------------------------------------------------------------------------------
-def _pct(summary: dict) -> str:
+def _pct(summary: dict, seeds: list[int] | None = None) -> str:
+    """mean ± sd (per seed); `seeds` (those with a cell) names the seeds whose cells repeat an earlier measurement."""
     if summary["mean"] is None:
         return "not run"
     sd = f" ± {100 * summary['sd']:.1f}" if summary["sd"] is not None else ""
-    return f"{100 * summary['mean']:.1f}{sd} % ({' / '.join(f'{100 * a:.1f}' for a in summary['per_seed'])})"
+    repeats = [s for s in seeds or [] if s not in summary["seeds"]]
+    again = f"; seed{'s' * (len(repeats) > 1)} {', '.join(map(str, repeats))} repeat this measurement: the same " \
+        "weights decoded greedily" if repeats else ""
+    return f"{100 * summary['mean']:.1f}{sd} % ({' / '.join(f'{100 * a:.1f}' for a in summary['per_seed'])}{again})"
 
 
 def _setting(spec: dict) -> str:
@@ -619,7 +700,8 @@ def report_lines(plan: Plan, table: StudyTable, command: str) -> list[str]:
             ms = f"{sum(c.get('ms_per_problem', 0) for c in cells) / len(cells):.0f}" if cells else "—"
             rewards = [c["mean_reward"] for c in cells if "mean_reward" in c]
             nfe = f"{summ['mean_nfe']:.1f}" if cells else "—"
-            lines.append(f"| {arm} | {spec['model']} | {_setting(spec)} | {_pct(summ)} | {nfe} | {ms} | "
+            lines.append(f"| {arm} | {spec['model']} | {_setting(spec)} | {_pct(summ, [c['seed'] for c in cells])} "
+                         f"| {nfe} | {ms} | "
                          f"{f'{sum(rewards) / len(rewards):.3f}' if rewards else '—'} |")
         lines += ["", "Paired comparisons (pre-registered; CI over problems of the seed-averaged difference):", ""]
         for a, b in s.get("comparisons", []):
@@ -792,6 +874,7 @@ def run_section(args) -> None:
             print(f"{added} cells added; {left} planned cells missing", flush=True)
             return
         check_plan(plan)
+        backfill_measurements(plan, table)
         if not args.doc:
             raise DlmError("report: pass --doc DOC.md (with study markers)")
         plot = Path(args.plot) if args.plot else Path(args.doc).with_suffix(".png")

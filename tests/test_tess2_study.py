@@ -88,7 +88,8 @@ def test_study_trains_each_model_once_and_records_per_problem_cells(study):
     # each model once, when a cell first needs it (the reward scorer with the first cell), parents first
     assert first["train"] == ["ar", "reward", "adapt", "sft-seed0", "sft-seed1"]
     cells = first["cells"]["cells"]
-    assert first["evaluate"] == len(cells) == 5 * 2  # 5 arms x 2 seeds, test only: no unseen file yet
+    # 5 arms x 2 seeds, test only (no unseen file yet); the greedy AR's seed-1 cell is its seed-0 measurement again
+    assert len(cells) == 5 * 2 and first["evaluate"] == len(cells) - 1
     assert [(c["seed"], c["arm"]) for c in cells][:5] == [(0, a) for a in ["ar", "steps-2", "steps-4", "eta-1",
                                                                           "top-p"]]  # seed-major
     for c in cells:
@@ -98,19 +99,61 @@ def test_study_trains_each_model_once_and_records_per_problem_cells(study):
     assert by[("steps-4", 1)]["mean_nfe"] <= 4 and by[("steps-2", 0)]["mean_nfe"] <= 2
     assert by[("eta-1", 0)]["options"]["guidance_scale"] == 1.0 and "mean_reward" in by[("eta-1", 0)]
     assert "mean_reward" not in by[("ar", 0)]  # the scorer reads simplex outputs only
-    assert by[("steps-2", 0)]["model"].endswith("sft-seed0/model") and by[("steps-2", 1)]["model"].endswith(
+    assert by[("steps-2", 0)]["run"].endswith("sft-seed0/model") and by[("steps-2", 1)]["run"].endswith(
         "sft-seed1/model")
     pins = first["cells"]["pins"]
     assert set(pins) == {"ar", "adapt", "reward", "sft/seed0", "sft/seed1"} and pins["sft/seed0"] != pins["sft/seed1"]
+    # each cell names the weights it decoded and how; the sampling seed belongs to a simplex decoding, not to greedy AR
+    assert by[("steps-2", 1)]["model"] == pins["sft/seed1"] and by[("ar", 0)]["model"] == by[("ar", 1)]["model"]
+    assert by[("steps-2", 0)]["decode"].endswith(f"seed=0/scorer={pins['reward']}") and "seed=" not in by[("ar", 0)][
+        "decode"]
+    assert by[("ar", 1)]["copied_from"] == ["ar", 0, "test"] and by[("ar", 1)]["correct"] == by[("ar", 0)]["correct"]
+    assert "copied_from" not in by[("steps-2", 1)]
 
 
 def test_rerun_skips_done_cells_and_fills_a_new_evaluation_file_only(study):
     assert study["second"] == {"train": [], "evaluate": 0}
-    assert study["third"] == {"train": [], "evaluate": 2 * 2}  # eval_arms: unseen on ar and steps-2 only
+    assert study["third"] == {"train": [], "evaluate": 2 * 2 - 1}  # eval_arms: unseen on ar and steps-2 only
     cells = json.loads(study["table"].read_text())["cells"]
     assert len(cells) == 14 and cells[:10] == study["first"]["cells"]["cells"]  # the earlier cells untouched
     unseen = [c for c in cells if c["eval"] == "unseen"]
     assert len({c["problems"] for c in unseen}) == 1 and unseen[0]["problems"] != cells[0]["problems"]
+
+
+def test_cells_written_before_weights_were_recorded_are_backfilled_from_the_pins(study, tmp_path):
+    """An older table (each cell's `model` a run path, no decode signature) gains the fingerprint and signature a new
+    cell has, from the table's own pins; the summary then counts the greedy AR once, and cells that share weights and
+    decoding but disagree problem by problem are refused (the signature would be missing something)."""
+    import tess2_tinymath
+
+    from dlm.evaluation.study import Plan, StudyError, StudyTable
+
+    data = json.loads(study["table"].read_text())
+    new = {(c["arm"], c["seed"], c["eval"]): dict(c) for c in data["cells"]}
+    for c in data["cells"]:  # the old layout
+        c["model"] = c.pop("run")
+        for k in ("decode", "copied_from"):
+            c.pop(k, None)
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps(data))
+    plan = Plan.load(study["plan"])
+    table = StudyTable(old, plan)
+    assert table.summary("ar", "test")["seeds"] == [0, 1]  # nothing says the two AR cells are one measurement
+    assert tess2_tinymath.backfill_measurements(plan, table) == len(data["cells"])
+    for c in StudyTable(old, plan).cells:
+        n = new[(c["arm"], c["seed"], c["eval"])]
+        assert (c["model"], c["decode"], c["run"]) == (n["model"], n["decode"], n["run"])
+    assert StudyTable(old, plan).summary("ar", "test")["seeds"] == [0]
+    assert tess2_tinymath.backfill_measurements(plan, StudyTable(old, plan)) == 0  # idempotent
+    bad = json.loads(old.read_text())
+    ar1 = next(c for c in bad["cells"] if (c["arm"], c["seed"], c["eval"]) == ("ar", 1, "test"))
+    ar1["correct"] = [1 - x for x in ar1["correct"]]
+    ar1["accuracy"] = sum(ar1["correct"]) / len(ar1["correct"])
+    old.write_text(json.dumps(bad))
+    with pytest.raises(StudyError, match="decode the same weights the same way but their outcomes differ"):
+        tess2_tinymath.backfill_measurements(plan, StudyTable(old, plan))
+    with pytest.raises(StudyError, match=r"would change what it measured \(correct\)"):
+        StudyTable(old, plan).annotate(lambda c: {"correct": []})
 
 
 def test_seeds_limits_a_run_to_its_seeds_and_refuses_one_not_planned(study, capsys):
@@ -286,7 +329,7 @@ def test_ablation_plan_trains_each_variant_as_specified_and_samples_it(tmp_path)
     tess2_tinymath.main(["study", "--plan", str(path), "--json", str(table)])
     cells = {c["arm"]: c for c in json.loads(table.read_text())["cells"]}
     assert sorted(cells) == sorted(plan["arms"]) and all(c["n"] == 3 for c in cells.values())
-    specs = {arm: load_for_inference(Path(cells[arm]["model"]))[0].spec for arm in plan["arms"][1:]}
+    specs = {arm: load_for_inference(Path(cells[arm]["run"]))[0].spec for arm in plan["arms"][1:]}
     assert [specs[a].attention for a in ("full", "causal")] == ["bidirectional", "causal"]
     assert [specs[a].label_shift for a in ("full", "no-label-shift")] == [True, False]
     assert [specs[a].self_conditioning for a in ("full", "no-self-cond")] == [True, False]
@@ -341,8 +384,8 @@ def test_adapt_plan_trains_the_scratch_arm_without_the_ar_weights(tmp_path):
     assert recipes["adapt-scratch-seed0"]["model"]["init_from"] is None
     assert recipes["adapt-ar-seed0"]["model"]["init_from"] == str(runs / "ar" / "model")
     ar = load_for_inference(runs / "ar" / "model")[0].state_dict()
-    scratch = load_for_inference(Path(cells["scratch"]["model"]))[0].state_dict()
-    adapted = load_for_inference(Path(cells["adapted"]["model"]))[0].state_dict()
+    scratch = load_for_inference(Path(cells["scratch"]["run"]))[0].state_dict()
+    adapted = load_for_inference(Path(cells["adapted"]["run"]))[0].state_dict()
     shared = [k for k in ar if k in scratch and k in adapted and "layers.0.mlp.up_proj" in k]
     assert shared and all(ar[k].shape == scratch[k].shape for k in shared)  # the parent's architecture
     # 4 tiny updates move the adapted weights a little from the parent's; the scratch ones are elsewhere entirely

@@ -174,6 +174,26 @@ class StudyTable:
                 **extra}
         return self._append(cell)
 
+    OUTCOME = ("arm", "seed", "eval", "n", "accuracy", "problems", "correct", "values")
+
+    def annotate(self, fields) -> int:
+        """Set fields of cells written before their driver recorded them (e.g. which weights a cell decoded):
+        `fields(cell)` gives the fields to set, or None to leave the cell. What a cell measured (OUTCOME: its
+        identity, problems and per-problem results) cannot change. Returns how many cells changed."""
+        with self._locked():
+            changed = 0
+            for cell in self.cells:
+                new = {k: v for k, v in (fields(cell) or {}).items() if cell.get(k, object()) != v}
+                outcome = sorted(set(new) & set(self.OUTCOME))
+                if outcome:
+                    raise StudyError(f"{self.path}: annotating ({cell['arm']}, seed {cell['seed']}, {cell['eval']}) "
+                                     f"would change what it measured ({', '.join(outcome)})")
+                cell.update(new)
+                changed += bool(new)
+            if changed:
+                self._write()
+        return changed
+
     def _append(self, cell: dict) -> dict:
         with self._locked():
             if self.has(cell["arm"], cell["seed"], cell["eval"]):
