@@ -278,6 +278,9 @@ def study_evidence(ref: dict, results: Path, plans: Path, where: str) -> dict:
             raise ClaimsError(f"{where}: {e}") from None
         out["copies"] = len(out["result"].get("copies", []))  # seeds that repeat one measurement of fixed weights
         out["done"] -= out["copies"]
+        used = out["result"]["seeds"]  # an arm whose cells in these seeds are one measurement (a fixed start, greedy)
+        out["fixed"] = {arm: len(used) > 1 and len(table.distinct([table.cell(arm, s, key) for s in used])) == 1
+                        for arm, key in ((ref["arm_a"], ref["eval"]), (ref["arm_b"], key_b))}
     comparisons = (plan.settings or {}).get("comparisons")
     if isinstance(comparisons, list):  # {a, b, eval[, eval_b]} mappings, or [a, b] pairs that hold for every eval
         planned_pairs = set()
@@ -384,9 +387,12 @@ def build_rows(data: dict, results: Path, plans: Path) -> list[dict]:
             if capped:
                 v = "partly"
             extra = [] if st["preregistered"] in (None, True) else ["not pre-registered"]
+            fixed = st.get("fixed", {})
+            a, b = (_pct(r[f"accuracy_{x}"]) + " % (fixed weights)" if fixed.get(arm) else
+                    _pct(r[f"accuracy_{x}"], r[f"sd_{x}"]) + " %"
+                    for x, arm in (("a", ref["arm_a"]), ("b", ref["arm_b"])))
             row.update(
-                dlm_number=f"{label_a} {_pct(r['accuracy_a'], r['sd_a'])} vs {label_b} "
-                           f"{_pct(r['accuracy_b'], r['sd_b'])} % ({100 * r['difference']:+.1f})"
+                dlm_number=f"{label_a} {a} vs {label_b} {b}, {100 * r['difference']:+.1f} points"
                            + ("" if ref.get("eval_b") else f", {ref['eval']}"),
                 n=str(r["n"]), seeds=f"{st['done']}/{st['planned']}" + (" (frozen)" if st.get("frozen") else "")
                 + (" (fixed weights: its other seeds repeat this measurement)" if st.get("copies") else ""),

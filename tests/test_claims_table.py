@@ -107,9 +107,37 @@ def test_verdicts_from_synthetic_study_tables(tmp_path):
     assert rows["rep"][5] == "3/3" and rows["one"][5] == "1/3" and rows["rep"][4] == "200"
     low, high = 100 * rep["low"], 100 * rep["high"]
     assert rows["rep"][6].startswith(f"[{low:+.1f}, {high:+.1f}]")
-    assert f"({100 * rep['difference']:+.1f})" in rows["rep"][3]
+    assert f", {100 * rep['difference']:+.1f} points" in rows["rep"][3]
     assert "Generated on 2026-12-01 by `python benchmarks/claims_table.py`" in (results / "README.md").read_text()
     assert "- `rep`: A reader note\n" in (results / "README.md").read_text()  # a study's note, shown with its row
+
+
+def test_a_fixed_start_is_one_measurement_not_three_seeds_with_zero_spread(tmp_path):
+    """An arm that decodes one fixed start greedily (its cells in every seed name the same weights and decoding) is
+    shown once, labelled, not as 'x ± 0.0' over three seeds; it still pairs with a trained arm in every seed, and two
+    such arms compared with each other are one seed."""
+    plans = tmp_path / "plans"
+    results = tmp_path / "results"
+    plans.mkdir()
+    results.mkdir()
+    (plans / "toy.yaml").write_text(PLAN)
+    table = StudyTable(results / "toy.json", Plan.load(plans / "toy.yaml"))
+    rng = np.random.default_rng(1)
+    start, other = rng.random(200) < 0.3, rng.random(200) < 0.5
+    for seed in (0, 1, 2):
+        trained = rng.random(200) < 0.6
+        for arm, correct, model in (("b", start, "w0"), ("worse", other, "w1"), ("better", trained, f"t{seed}")):
+            table.add(arm, seed, "e", {"samples": [{"correct": bool(c)} for c in correct]}, problems="p",
+                      model=model, decode="greedy")
+    claims = tmp_path / "claims.yaml"
+    claims.write_text("claims:\n" + _claim("paired", "study: {plan: toy, arm_a: better, arm_b: b, eval: e}")
+                      + _claim("both-fixed", "study: {plan: toy, arm_a: worse, arm_b: b, eval: e}"))
+    _run(claims, results, plans)
+    rows = {line.split("|")[1].strip(" `"): [c.strip() for c in line.split("|")[1:-1]]
+            for line in (results / "README.md").read_text().splitlines() if line.startswith("| `")}
+    assert f"vs b {100 * start.mean():.1f} % (fixed weights)" in rows["paired"][3]
+    assert "± 0.0" not in rows["paired"][3] and rows["paired"][5] == "3/3"
+    assert rows["both-fixed"][5] == "1/3 (fixed weights: its other seeds repeat this measurement)"
 
 
 def test_comparisons_listed_as_pairs_count_as_preregistered(tmp_path):
