@@ -9,6 +9,7 @@ from pathlib import Path
 
 from dlm.errors import OptionsError
 from dlm.evaluation.run import default_max_new_tokens, evaluate_task, load_task, task_baseline, write_samples
+from dlm.evaluation.stats import compare, format_comparison
 from dlm.sampling import dtype_name, ignored, load_for_inference, resolve_options
 from dlm.sampling.options import OWNER, option_name
 
@@ -45,7 +46,7 @@ def run_sweep(models: Sequence[str | Path], data: str | Path | None = None, opti
     name, values = parse_sweep(sweep, options)
     records, source = load_task(task, data, models[0] if models else None, n)
     max_new_tokens = max_new_tokens or default_max_new_tokens(task)
-    rows, lines = [], []
+    rows, lines, outcomes = [], [], []
     for path in models:
         model, tok = load_for_inference(path, dtype=dtype)
         family = model.spec.family
@@ -61,6 +62,8 @@ def run_sweep(models: Sequence[str | Path], data: str | Path | None = None, opti
             keys = ("accuracy", *(k for k in r if k.startswith("pass@")), "n", "mean_nfe", "tokens_per_nfe", "wall_s",
                     "ms_per_problem")
             rows.append({"model": str(path), "family": family, **setting, **{k: r[k] for k in keys}})
+            graded = all("correct" in x for x in r["samples"])
+            outcomes.append([bool(x["correct"]) for x in r["samples"]] if graded else None)
             lines += [{"model": str(path), "family": family, "task": task, **setting, **s} for s in r["samples"]]
             if progress:
                 shown = ", ".join(f"{k}={v}" for k, v in opts.model_dump().items() if v is not None)
@@ -69,8 +72,42 @@ def run_sweep(models: Sequence[str | Path], data: str | Path | None = None, opti
                       f"{passes} | mean NFE {r['mean_nfe']:.1f} | {r['ms_per_problem']:.1f} ms/problem")
     if samples:
         write_samples(samples, lines)
+    paired = paired_rows(rows, outcomes, name) if samples_per_problem == 1 else []
+    if progress:
+        for c in paired:
+            print(f"{Path(c['model']).name} {_label(name, c['value'])} vs {Path(c['baseline']).name} "
+                  f"{_label(name, c['baseline_value'])}: {format_comparison(c)}")
     return {"task": task, "data": source, "n": len(records), "trivial_baseline": task_baseline(task, records),
-            "sweep": sweep, "dtype": dtype_name(dtype), "temperature": temperature, "rows": rows}
+            "sweep": sweep, "dtype": dtype_name(dtype), "temperature": temperature, "rows": rows, "paired": paired}
+
+
+def paired_rows(rows: list[dict], outcomes: list[list[bool] | None], name: str | None) -> list[dict]:
+    """Every other model against the first (the baseline), problem by problem: at the same grid value, or against
+    each of the baseline's rows where one side has a single row (an AR model, or no sweep). Exact McNemar p and a
+    bootstrap CI of the accuracy difference (`dlm.evaluation.stats.compare`), with the discordant counts."""
+    if not rows:
+        return []
+    base = rows[0]["model"]
+    mine = [(r, o) for r, o in zip(rows, outcomes) if r["model"] == base]
+    out = []
+    for r, o in zip(rows, outcomes):
+        if r["model"] == base:
+            continue
+        value = r.get(name) if name else None
+        same = [(b, bo) for b, bo in mine if name and value is not None and b.get(name) == value]
+        for b, bo in same or mine:
+            if o is None or bo is None or len(o) != len(bo):
+                continue  # ungraded samples, or several samples per problem (pass@k): not paired here
+            c = compare(o, bo)
+            out.append({"model": r["model"], "value": value, "baseline": base,
+                        "baseline_value": b.get(name) if name else None,
+                        **{k: c[k] for k in ("n", "accuracy_a", "accuracy_b", "only_a", "only_b", "p_value",
+                                             "difference", "low", "high", "confidence")}})
+    return out
+
+
+def _label(name: str | None, value) -> str:
+    return f"[{name}={value}]" if name and value is not None else ""
 
 
 def plot_sweep(result: dict, out: str | Path, title: str | None = None) -> Path:
