@@ -1,0 +1,87 @@
+"""Write a `dlm eval --sweep ... --out X.json` table into a results doc: accuracy and mean NFE of every model at every
+grid value, and each model against the first problem by problem (the JSON's `paired`: exact McNemar p, bootstrap
+95 % CI of the difference), between the doc's `<!-- study:begin NAME -->` / `<!-- study:end NAME -->` markers.
+
+    python benchmarks/sweep_report.py docs/results/block-long-topu-seed0.json \\
+        --doc docs/results/block-tinymath.md --name topu
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from dlm.errors import DlmError  # noqa: E402
+from dlm.evaluation.study import write_study_section  # noqa: E402
+
+
+def report_lines(result: dict, source: str, command: str) -> list[str]:
+    """The doc's generated block: one table of accuracy (mean NFE) per model and grid value, then the paired rows."""
+    key = (result.get("sweep") or "").partition("=")[0]
+    field = _field(result, key)
+    models = list(dict.fromkeys(r["model"] for r in result["rows"]))
+    values = list(dict.fromkeys(r.get(field) for r in result["rows"] if field and r.get(field) is not None)) or [None]
+    head = [f"{key}={v}" if v is not None else "—" for v in values]
+    lines = [f"From [`{Path(source).name}`]({Path(source).name}) ({result['n']} problems, {result['task']}, "
+             f"{result.get('dtype', 'float32')}); regenerate with:", "", f"    {command}", "",
+             "Accuracy (mean NFE per problem):", "", "| model | " + " | ".join(head) + " |",
+             "|---|" + "---|" * len(head)]
+    for m in models:
+        cells = []
+        for v in values:
+            row = next((r for r in result["rows"] if r["model"] == m and (v is None or r.get(field) == v)), None)
+            cells.append(f"{100 * row['accuracy']:.1f} % ({row['mean_nfe']:.1f})" if row else "—")
+        lines.append(f"| {Path(m).name} | " + " | ".join(cells) + " |")
+    paired = result.get("paired") or []
+    if paired:
+        lines += ["", f"Each model against {Path(models[0]).name}, problem by problem (difference in points, 95 % "
+                  "bootstrap CI, exact McNemar p, problems solved by only one side):", "",
+                  "| model | setting | difference | 95 % CI | p | only this / only baseline |",
+                  "|---|---|---|---|---|---|"]
+        for c in paired:
+            setting = f"{key}={c['value']}" if c.get("value") is not None else "—"
+            if c.get("baseline_value") != c.get("value"):
+                setting += f" vs {key}={c['baseline_value']}"
+            lines.append(f"| {Path(c['model']).name} | {setting} | {100 * c['difference']:+.1f} | "
+                         f"[{100 * c['low']:+.1f}, {100 * c['high']:+.1f}] | {c['p_value']:#.2g} | "
+                         f"{c['only_a']} / {c['only_b']} |")
+    return lines
+
+
+def _field(result: dict, key: str) -> str | None:
+    """The rows' field for the swept option (its short name, e.g. u, resolved by dlm's option aliases)."""
+    if not key:
+        return None
+    from dlm.sampling.options import option_name
+
+    return option_name(key)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("json", help="a `dlm eval --sweep ... --out` table")
+    ap.add_argument("--doc", required=True, help="the results doc with the named markers")
+    ap.add_argument("--name", required=True, help="the markers' name: <!-- study:begin NAME -->")
+    args = ap.parse_args(argv)
+    try:
+        try:
+            result = json.loads(Path(args.json).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise DlmError(f"{args.json}: not a readable sweep table ({e})") from None
+        if not isinstance(result, dict) or "rows" not in result:
+            raise DlmError(f"{args.json}: no 'rows': not a `dlm eval --out` table")
+        command = f"python benchmarks/sweep_report.py {args.json} --doc {args.doc} --name {args.name}"
+        write_study_section(args.doc, report_lines(result, args.json, command), name=args.name)
+    except DlmError as e:
+        raise SystemExit(f"sweep_report.py: {e}") from None
+    print(f"wrote {args.doc} ({args.name})")
+
+
+if __name__ == "__main__":
+    main()

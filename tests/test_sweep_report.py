@@ -1,0 +1,44 @@
+"""benchmarks/sweep_report.py: a `dlm eval --sweep --out` table written into a doc's named markers, the rest of the doc
+kept; a file that is not such a table is one line naming it."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import sweep_report  # noqa: E402
+
+from dlm.evaluation.sweeps import paired_rows  # noqa: E402
+
+
+def test_sweep_table_and_paired_rows_land_between_the_markers(tmp_path):
+    a2, a4 = [True] * 6 + [False] * 4, [True] * 3 + [False] * 7
+    b2, b4 = [True] * 9 + [False], [True] * 3 + [False] * 7
+    rows = [{"model": "runs/x/mdm", "family": "masked", "reveal_count": u, "accuracy": sum(o) / 10, "mean_nfe": nfe}
+            for u, o, nfe in ((2, a2, 26.0), (4, a4, 13.0))]
+    rows += [{"model": "runs/x/w2", "family": "masked", "reveal_count": u, "accuracy": sum(o) / 10, "mean_nfe": nfe}
+             for u, o, nfe in ((2, b2, 26.5), (4, b4, 13.1))]
+    result = {"task": "tinymath", "n": 10, "sweep": "u=2,4", "dtype": "float32", "rows": rows,
+              "paired": paired_rows(rows, [a2, a4, b2, b4], "reveal_count")}
+    table = tmp_path / "sweep.json"
+    table.write_text(json.dumps(result))
+    doc = tmp_path / "doc.md"
+    doc.write_text("# d\n\nreading by hand\n<!-- study:begin topu -->\nold\n<!-- study:end topu -->\ntail\n")
+    sweep_report.main([str(table), "--doc", str(doc), "--name", "topu"])
+    text = doc.read_text()
+    assert text.startswith("# d\n\nreading by hand\n") and text.endswith("<!-- study:end topu -->\ntail\n")
+    assert "old" not in text and "| model | u=2 | u=4 |" in text
+    assert "| mdm | 60.0 % (26.0) | 30.0 % (13.0) |" in text and "| w2 | 90.0 % (26.5) | 30.0 % (13.1) |" in text
+    assert "| w2 | u=2 | +30.0 | [" in text and "| 3 / 0 |" in text
+    assert "| w2 | u=4 | +0.0 | [+0.0, +0.0] | 1.0 | 0 / 0 |" in text
+
+
+def test_a_file_that_is_not_a_sweep_table_is_one_line(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"cells": []}))
+    with pytest.raises(SystemExit, match=r"bad.json: no 'rows'"):
+        sweep_report.main([str(bad), "--doc", str(tmp_path / "d.md"), "--name", "x"])
