@@ -317,7 +317,7 @@ class Donors:
 
 # ---- the driver -------------------------------------------------------------------------------------------------
 def run(plan_path, json_path=None, runs=None, seeds=None, max_minutes=None, arms=None, evals=None,
-        reuse=None) -> dict:
+        reuse=None, take_only=None) -> dict:
     """Carry out a plan (see the module docstring); returns {'cells': added, 'stopped': bool, 'waiting': [...]}."""
     from dlm.evaluation.study import Plan, StudyError, StudyTable, fingerprint, problems_digest, subset
     from dlm.modeling.backbone import resolve_model_dir
@@ -339,6 +339,10 @@ def run(plan_path, json_path=None, runs=None, seeds=None, max_minutes=None, arms
                              f"{name} in {plan.source}")
         table.pin(name, fingerprint(resolve_model_dir(path)))
     donors = Donors(plan, table, reuse)
+    take_only = list(take_only or [])
+    if set(take_only) - set(plan.arms):
+        raise StudyError(f"--take-only {sorted(set(take_only) - set(plan.arms))} not in the plan's arms "
+                         f"{list(plan.arms)}")
     added, waiting, recipes = 0, [], {}
     for seed in order:
         for arm in arm_order:
@@ -370,6 +374,10 @@ def run(plan_path, json_path=None, runs=None, seeds=None, max_minutes=None, arms
                     added += 1
                     print(f"seed {seed} {arm:14s} {key:14s} accuracy {100 * cell['accuracy']:5.1f} % (from "
                           f"{source}'s {c['arm']})", flush=True)
+                    continue
+                if arm in take_only:  # another plan trains it: never trained here, its cell waits for the donor
+                    print(f"seed {seed} {arm:14s} {key:14s} left missing: no --reuse table has it yet (--take-only)",
+                          flush=True)
                     continue
                 left = None if max_minutes is None else max_minutes - (time.time() - t0) / 60
                 trained = trained_model(plan, arm, seed, runs, left)
@@ -428,13 +436,18 @@ def main(argv=None, description: str = __doc__, default_plan: str = "benchmarks/
     ap.add_argument("--reuse", help="comma-separated study tables of other plans: a missing cell that one of them "
                     "has for the same training run (same resolved recipe, start weights, seed, problems and "
                     "evaluation) is taken over instead of trained and evaluated again, marked copied_from")
+    ap.add_argument("--take-only", help="comma-separated arms whose cells are only taken over from --reuse tables, "
+                    "never trained here (another plan trains them): a cell no donor has yet is left missing")
     args = ap.parse_args(argv)
     from dlm.errors import DlmError
 
     try:
+        if args.take_only and not args.reuse:
+            raise DlmError("--take-only needs --reuse (the tables its arms' cells come from)")
         run(args.plan, args.json, args.runs, [int(x) for x in args.seeds.split(",")] if args.seeds else None,
             args.max_minutes, args.arms.split(",") if args.arms else None,
-            args.evals.split(",") if args.evals else None, args.reuse.split(",") if args.reuse else None)
+            args.evals.split(",") if args.evals else None, args.reuse.split(",") if args.reuse else None,
+            args.take_only.split(",") if args.take_only else None)
     except DlmError as e:
         sys.exit(f"error: {e}")
 

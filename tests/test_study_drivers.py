@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 PLANS = [ROOT / "benchmarks" / "plans" / f"{name}.yaml"  # the plans this driver runs
          for name in ("pumba-table2", "block-long", "pumba-bridges", "pumba-ablations", "pumba-reinforce",
-                      "pumba-table2-w8", "pumba-bridges-kept", "mdm-tinymath")]
+                      "pumba-table2-w8", "pumba-bridges-kept", "mdm-tinymath", "block-long-matched")]
 
 
 @pytest.mark.parametrize("path", PLANS, ids=[p.stem for p in PLANS])
@@ -49,6 +49,23 @@ def test_table2_controls_match_the_windows_denoiser_passes(tmp_path):
             passes[arm] = r.train.steps * pumba_study.passes_per_update(r)
     assert passes["mdm2"] == passes["w2"] and passes["mdm4"] == passes["w4"] and passes["mdm8"] == passes["w8"]
     assert passes["mdm"] == passes["pu"] == passes["w1"] == passes["ar"] == 200
+
+
+def test_block_matched_control_has_the_w2_arms_passes_and_takes_block_longs_arms_over(tmp_path):
+    """block-long-matched: mdm2 runs as many denoiser passes as block PUMBA W=2, and its other arms are block-long's
+    very training runs (the same neutral recipe), so --reuse of block-long's table can take their cells over."""
+    import pumba_study
+
+    plans = ROOT / "benchmarks" / "plans"
+    plan, long = Plan.load(plans / "block-long-matched.yaml"), Plan.load(plans / "block-long.yaml")
+    passes = {}
+    for arm in plan.arms:
+        r = pumba_study.recipe_for(plan, arm, 2, tmp_path / arm)
+        passes[arm] = r.train.steps * pumba_study.passes_per_update(r)
+    assert passes["mdm2"] == passes["u16w2"] == passes["u8w2"] == 2 * passes["mdm"] == 2700
+    for arm in ("mdm", "u8w2", "u16w2"):
+        assert pumba_study.neutral_recipe(plan, arm) == pumba_study.neutral_recipe(long, arm)
+        assert plan.settings["arm_specs"][arm] == long.settings["arm_specs"][arm]
 
 
 def test_reinforce_plan_shares_its_reference_arms_with_pumba_bridges(tmp_path):
@@ -197,6 +214,14 @@ def test_pumba_study_smoke_run_resumes_and_refuses_a_changed_plan(tmp_path, monk
         assert mine["correct"] == theirs["correct"] and mine["model"] == theirs["model"]
         assert mine["copied_from"] == {"table": "smoke", "arm": arm, "seed": 0, "eval": key}
         assert mine["recipe"] != theirs["recipe"]  # each table keeps its own digest (the run names differ)
+    # --take-only: an arm another plan trains is only ever taken over; no donor cell yet means no cell, not a training
+    took = pumba_study.run(other_path, tmp_path / "smoke-c.json", runs, arms=["mdm-lr", "mdm"], reuse=[table_path],
+                           take_only=["mdm-lr", "mdm"])
+    assert took["cells"] == 2 and not StudyTable(tmp_path / "smoke-c.json", Plan.load(other_path)).has("mdm-lr", 0,
+                                                                                                       "u=4")
+    assert "mdm-lr         u=4            left missing: no --reuse table has it yet" in capsys.readouterr().out
+    with pytest.raises(StudyError, match=r"--take-only \['nope'\] not in the plan's arms"):
+        pumba_study.run(other_path, tmp_path / "smoke-c.json", runs, reuse=[table_path], take_only=["nope"])
     donors = pumba_study.Donors(Plan.load(other_path), b, [table_path])
     assert donors.cell("mdm", 0, "u=4", cell["problems"]) is not None
     assert donors.cell("mdm-lr", 0, "u=4", cell["problems"]) is None  # another learning rate: another run
