@@ -486,8 +486,9 @@ def _time_to_go(plan: Plan, table: StudyTable | None) -> tuple[float, list[str]]
 
     A missing evaluation costs the median time its arm took for that key in other seeds (else the median over arms
     for that key); an (arm, seed) with no cell yet also costs its arm's median training time. Nothing is charged for
-    what the drivers copy or never train: a start evaluated as it is, once one seed has the cell, or an arm that
-    evaluates another arm's weights. An arm whose cost has no measurement to come from is listed, not guessed."""
+    what the drivers copy or never train: a start evaluated as it is, once one seed has the cell, an arm that
+    evaluates another arm's weights, or an arm whose cells all came from another plan's table. An arm whose cost has
+    no measurement to come from is listed, not guessed."""
     cells = table.cells if table else []
     specs = plan.settings.get("arm_specs") or {}
     evals: dict = {}
@@ -499,9 +500,14 @@ def _time_to_go(plan: Plan, table: StudyTable | None) -> tuple[float, list[str]]
             evals.setdefault((c["arm"], c["eval"]), []).append(float(c.get("seconds") or 0.0))
         if c.get("train_seconds") and not specs.get(c["arm"], {}).get("model_of"):
             trains.setdefault(c["arm"], {})[c["seed"]] = c["train_seconds"]
+    # an arm every cell of which was taken over from another plan's table (--reuse) is that plan's work: its missing
+    # cells will be taken over too, and that plan's row counts their cost
+    donated = {c["arm"] for c in cells} - {c["arm"] for c in cells if not isinstance(c.get("copied_from"), dict)}
     total, unmeasured = 0.0, []
     for arm in plan.arms:
         spec = specs.get(arm, {})
+        if arm in donated:
+            continue
         for seed in plan.seeds:
             keys = [k for k in plan.evals if arm in plan.planned_arms(k) and not (table and table.has(arm, seed, k))]
             if not keys:

@@ -296,6 +296,14 @@ def test_time_to_go_charges_each_missing_cell_its_arms_measured_time(tmp_path):
     seconds, unmeasured = claims_table._time_to_go(plan, table)
     assert unmeasured == ["slightly"]  # no training of its own to go on (worse's record is slightly's weights)
     assert seconds == pytest.approx(3 * 100 + 100 + 80)  # its e cells at the median over arms; worse seed 2; better
+    # an arm whose every cell was taken over from another plan's table (--reuse) costs this plan nothing: its other
+    # seeds are taken over too, and the donor plan's row counts their training
+    for c in table.cells:
+        if c["arm"] == "better":
+            c["copied_from"] = {"table": "other", "arm": "better", "seed": c["seed"], "eval": c["eval"]}
+    table.cells = [c for c in table.cells if not (c["arm"] == "better" and c["seed"] == 2)]
+    seconds, unmeasured = claims_table._time_to_go(plan, table)
+    assert seconds == pytest.approx(3 * 100 + 100) and unmeasured == ["slightly"]
 
 
 def test_a_plan_whose_pinned_start_is_not_kept_is_frozen(tmp_path):
