@@ -226,3 +226,14 @@ def test_wall_clock_cap_stops_early_says_so_and_resumes_to_the_end(tmp_path, cap
     # the run's summary, which the study drivers read, carries the same whole-run figure
     summary = json.loads((run / "train_summary.json").read_text())
     assert summary["updates"] == summary["of"] == 6 and summary["train_seconds"] == pytest.approx(total, abs=1.0)
+
+
+def test_a_builtin_bpe_smaller_than_asked_says_so(tmp_path, capsys):
+    """On a small corpus the BPE runs out of merges before model.vocab_size: the run's first line says how many tokens
+    it has and why, instead of leaving 'vocab 695' beside a recipe that asked for 1024."""
+    recipe = small_recipe(tmp_path / "run", tmp_path / "data", "model.vocab_size=20000", "train.steps=1",
+                          "eval.test_n=1")
+    train(recipe, progress=False)
+    out = capsys.readouterr().out
+    vocab = int(re.search(r"\| vocab (\d+)", out).group(1))
+    assert vocab < 20000 and f"vocab {vocab} (of model.vocab_size 20000: the BPE ran out of merges" in out

@@ -481,8 +481,11 @@ def train(recipe: Recipe, resume: bool = False, progress: bool = True) -> Path:
     if trainer.acc.is_main_process:
         share = "" if trainer.n_trainable == trainer.n_params else \
             f" ({trainer.n_trainable / 1e6:.3g} M trainable, {100 * trainer.n_trainable / trainer.n_params:.2g} %)"
+        m = recipe.model
+        short = f" (of model.vocab_size {m.vocab_size}: the BPE ran out of merges on this data)" \
+            if m.tokenizer == "builtin" and not m.init_from and len(trainer.tok) < m.vocab_size else ""
         print(f"model: {trainer.n_params / 1e6:.3g} M parameters{share} | "
-              f"vocab {len(trainer.tok)} | {len(trainer.stream.examples)} examples | run dir {trainer.run_dir}")
+              f"vocab {len(trainer.tok)}{short} | {len(trainer.stream.examples)} examples | run dir {trainer.run_dir}")
         if trainer.unwrapped.spec.lora is not None:
             print(lora.describe(trainer.unwrapped.spec.lora))
     run_dir = trainer.fit()
