@@ -21,7 +21,8 @@ from tests.step_logits import (
 
 PAD, EOS, MASK, VOCAB = 0, 1, 2, 40
 NEVER = 99  # an EOS id outside the vocabulary: never produced
-POLICIES = (("top_u", dict(reveal_count=2)), ("threshold", dict(confidence_threshold=0.6)))
+POLICIES = (("top_u", dict(reveal_count=2)), ("threshold", dict(confidence_threshold=0.6)),
+            ("top_u_or_threshold", dict(reveal_count=1, confidence_threshold=0.3)))  # PUMBA training rule
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -104,6 +105,8 @@ def test_uncached_and_cached_match_the_reference(label_shift, carry, monkeypatch
     for policy, options in POLICIES:
         free = generate(m, _prompts(), 10, NEVER, PAD, MASK, policy=policy, kv_cache=False, **options)
         assert all(len(t) == 12 for t in free.tokens)
+        if policy == "top_u_or_threshold":  # its threshold part is exercised: fewer steps than u=1 alone would take
+            assert max(free.nfe) < 12, free.nfe
         eos = free.tokens[1][5]
         for eos_id in (NEVER, eos):
             rec.take()
