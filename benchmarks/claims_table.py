@@ -501,7 +501,8 @@ def _time_to_go(plan: Plan, table: StudyTable | None) -> tuple[float, list[str]]
         if c.get("train_seconds") and not specs.get(c["arm"], {}).get("model_of"):
             trains.setdefault(c["arm"], {})[c["seed"]] = c["train_seconds"]
     # an arm every cell of which was taken over from another plan's table (--reuse) is that plan's work: its missing
-    # cells will be taken over too, and that plan's row counts their cost
+    # cells will be taken over too (as block_study --take-only makes sure), and that plan's row counts their cost;
+    # a run that trains such an arm here after all is not foreseen by this estimate
     donated = {c["arm"] for c in cells} - {c["arm"] for c in cells if not isinstance(c.get("copied_from"), dict)}
     total, unmeasured = 0.0, []
     for arm in plan.arms:

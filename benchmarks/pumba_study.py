@@ -277,6 +277,10 @@ class Donors:
         self._arms: dict = {}
         self._family: dict = {}
 
+    def arms_like(self, arm: str) -> list:
+        """The donor arms (with their plans and tables) that are the same training run as `arm`."""
+        return self._donor_arms(arm)
+
     def _donor_arms(self, arm: str) -> list:
         """(donor plan, donor table, donor arm) that are the same training run as `arm`."""
         if arm not in self._arms:
@@ -331,6 +335,10 @@ def run(plan_path, json_path=None, runs=None, seeds=None, max_minutes=None, arms
     arm_order = subset("arms", arms, plan.arms)
     eval_order = subset("evals", evals, plan.evals)
     specs = plan.settings["arm_specs"]
+    take_only = list(take_only or [])
+    if set(take_only) - set(plan.arms):
+        raise StudyError(f"--take-only {sorted(set(take_only) - set(plan.arms))} not in the plan's arms "
+                         f"{list(plan.arms)}")
     for name in dict.fromkeys(spec.get("init") or spec.get("model") for spec in specs.values()
                               if spec.get("init") or spec.get("model")):
         path = start_path(plan, name)
@@ -339,10 +347,10 @@ def run(plan_path, json_path=None, runs=None, seeds=None, max_minutes=None, arms
                              f"{name} in {plan.source}")
         table.pin(name, fingerprint(resolve_model_dir(path)))
     donors = Donors(plan, table, reuse)
-    take_only = list(take_only or [])
-    if set(take_only) - set(plan.arms):
-        raise StudyError(f"--take-only {sorted(set(take_only) - set(plan.arms))} not in the plan's arms "
-                         f"{list(plan.arms)}")
+    never = [arm for arm in take_only if not donors.arms_like(arm)]
+    if never:  # its cells could never arrive: say so now, not "not yet" in every session
+        raise StudyError(f"--take-only {never}: no --reuse table has an arm that is the same training run (recipe, "
+                         "updates, start weights); those cells would never be taken over")
     added, waiting, recipes = 0, [], {}
     for seed in order:
         for arm in arm_order:

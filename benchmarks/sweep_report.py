@@ -25,8 +25,11 @@ def report_lines(result: dict, source: str, command: str) -> list[str]:
     key = (result.get("sweep") or "").partition("=")[0]
     field = _field(result, key)
     models = list(dict.fromkeys(r["model"] for r in result["rows"]))
-    values = list(dict.fromkeys(r.get(field) for r in result["rows"] if field and r.get(field) is not None)) or [None]
-    head = [f"{key}={v}" if v is not None else "—" for v in values]
+    names = _names(models)
+    values = list(dict.fromkeys(r.get(field) for r in result["rows"] if field and r.get(field) is not None))
+    if not values or any(not field or r.get(field) is None for r in result["rows"]):
+        values.append(None)  # a model the option does not apply to (an AR model), or no sweep: one column
+    head = [f"{key}={v}" if v is not None else ("other models" if len(values) > 1 else "accuracy") for v in values]
     lines = [f"From [`{Path(source).name}`]({Path(source).name}) ({result['n']} problems, {result['task']}, "
              f"{result.get('dtype', 'float32')}); regenerate with:", "", f"    {command}", "",
              "Accuracy (mean NFE per problem):", "", "| model | " + " | ".join(head) + " |",
@@ -34,12 +37,12 @@ def report_lines(result: dict, source: str, command: str) -> list[str]:
     for m in models:
         cells = []
         for v in values:
-            row = next((r for r in result["rows"] if r["model"] == m and (v is None or r.get(field) == v)), None)
+            row = next((r for r in result["rows"] if r["model"] == m and (r.get(field) if field else None) == v), None)
             cells.append(f"{100 * row['accuracy']:.1f} % ({row['mean_nfe']:.1f})" if row else "—")
-        lines.append(f"| {Path(m).name} | " + " | ".join(cells) + " |")
+        lines.append(f"| {names[m]} | " + " | ".join(cells) + " |")
     paired = result.get("paired") or []
     if paired:
-        lines += ["", f"Each model against {Path(models[0]).name}, problem by problem (difference in points, 95 % "
+        lines += ["", f"Each model against {names[models[0]]}, problem by problem (difference in points, 95 % "
                   "bootstrap CI, exact McNemar p, problems solved by only one side):", "",
                   "| model | setting | difference | 95 % CI | p | only this / only baseline |",
                   "|---|---|---|---|---|---|"]
@@ -47,10 +50,16 @@ def report_lines(result: dict, source: str, command: str) -> list[str]:
             setting = f"{key}={c['value']}" if c.get("value") is not None else "—"
             if c.get("baseline_value") != c.get("value"):
                 setting += f" vs {key}={c['baseline_value']}"
-            lines.append(f"| {Path(c['model']).name} | {setting} | {100 * c['difference']:+.1f} | "
+            lines.append(f"| {names[c['model']]} | {setting} | {100 * c['difference']:+.1f} | "
                          f"[{100 * c['low']:+.1f}, {100 * c['high']:+.1f}] | {c['p_value']:#.2g} | "
                          f"{c['only_a']} / {c['only_b']} |")
     return lines
+
+
+def _names(models: list[str]) -> dict[str, str]:
+    """Each model's label: its directory name, or its path where two share a name (runs/a/model, runs/b/model)."""
+    short = {m: Path(m).name for m in models}
+    return short if len(set(short.values())) == len(models) else {m: m for m in models}
 
 
 def _field(result: dict, key: str) -> str | None:
@@ -77,7 +86,11 @@ def main(argv=None) -> None:
         if not isinstance(result, dict) or "rows" not in result:
             raise DlmError(f"{args.json}: no 'rows': not a `dlm eval --out` table")
         command = f"python benchmarks/sweep_report.py {args.json} --doc {args.doc} --name {args.name}"
-        write_study_section(args.doc, report_lines(result, args.json, command), name=args.name)
+        try:
+            lines = report_lines(result, args.json, command)
+        except (KeyError, TypeError, AttributeError) as e:
+            raise DlmError(f"{args.json}: not a `dlm eval --out` table (a row or the table lacks {e})") from None
+        write_study_section(args.doc, lines, name=args.name)
     except DlmError as e:
         raise SystemExit(f"sweep_report.py: {e}") from None
     print(f"wrote {args.doc} ({args.name})")

@@ -584,7 +584,7 @@ def backfill_measurements(plan: Plan, table: StudyTable) -> int:
         return table.pins.get(f"{name}/seed{seed}" if s["train"][name].get("seed") == "study" else name)
 
     def fields(cell: dict) -> dict | None:
-        if "decode" in cell:
+        if "decode" in cell or "options" not in cell:  # without its options a cell's decoding is unknown
             return None
         name = s["arm_settings"][cell["arm"]]["model"]
         weights = pin(name, cell["seed"])
@@ -593,7 +593,7 @@ def backfill_measurements(plan: Plan, table: StudyTable) -> int:
         family = families.setdefault(name, model_family(s, name))
         scorer = pin(s["reward_scorer"], cell["seed"]) if s.get("reward_scorer") else None
         return {"model": weights, "run": cell.get("model"),
-                "decode": decode_signature(family, cell.get("options", {}), cell["problems"], s["max_new_tokens"],
+                "decode": decode_signature(family, cell["options"], cell["problems"], s["max_new_tokens"],
                                            cell["seed"], scorer)}
 
     changed = table.annotate(fields)

@@ -215,13 +215,20 @@ def test_pumba_study_smoke_run_resumes_and_refuses_a_changed_plan(tmp_path, monk
         assert mine["copied_from"] == {"table": "smoke", "arm": arm, "seed": 0, "eval": key}
         assert mine["recipe"] != theirs["recipe"]  # each table keeps its own digest (the run names differ)
     # --take-only: an arm another plan trains is only ever taken over; no donor cell yet means no cell, not a training
-    took = pumba_study.run(other_path, tmp_path / "smoke-c.json", runs, arms=["mdm-lr", "mdm"], reuse=[table_path],
-                           take_only=["mdm-lr", "mdm"])
-    assert took["cells"] == 2 and not StudyTable(tmp_path / "smoke-c.json", Plan.load(other_path)).has("mdm-lr", 0,
-                                                                                                       "u=4")
-    assert "mdm-lr         u=4            left missing: no --reuse table has it yet" in capsys.readouterr().out
+    # (the donor table without mdm's unseen cell stands for one that has not reached it yet)
+    partial = json.loads(table_path.read_text())
+    partial["cells"] = [c for c in partial["cells"] if (c["arm"], c["eval"]) != ("mdm", "u=4/unseen")]
+    (tmp_path / "partial.json").write_text(json.dumps(partial))
+    took = pumba_study.run(other_path, tmp_path / "smoke-c.json", runs, arms=["mdm"], reuse=[tmp_path / "partial.json"],
+                           take_only=["mdm"])
+    assert took["cells"] == 1 and not StudyTable(tmp_path / "smoke-c.json", Plan.load(other_path)).has(
+        "mdm", 0, "u=4/unseen")
+    assert "mdm            u=4/unseen     left missing: no --reuse table has it yet" in capsys.readouterr().out
     with pytest.raises(StudyError, match=r"--take-only \['nope'\] not in the plan's arms"):
-        pumba_study.run(other_path, tmp_path / "smoke-c.json", runs, reuse=[table_path], take_only=["nope"])
+        pumba_study.run(other_path, tmp_path / "smoke-d.json", runs, reuse=[table_path], take_only=["nope"])
+    assert not (tmp_path / "smoke-d.json").exists()  # refused before the table was written
+    with pytest.raises(StudyError, match=r"--take-only \['mdm-lr'\]: no --reuse table has an arm that is the same"):
+        pumba_study.run(other_path, tmp_path / "smoke-c.json", runs, reuse=[table_path], take_only=["mdm-lr"])
     donors = pumba_study.Donors(Plan.load(other_path), b, [table_path])
     assert donors.cell("mdm", 0, "u=4", cell["problems"]) is not None
     assert donors.cell("mdm-lr", 0, "u=4", cell["problems"]) is None  # another learning rate: another run

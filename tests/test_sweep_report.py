@@ -37,8 +37,24 @@ def test_sweep_table_and_paired_rows_land_between_the_markers(tmp_path):
     assert "| w2 | u=4 | +0.0 | [+0.0, +0.0] | 1.0 | 0 / 0 |" in text
 
 
-def test_a_file_that_is_not_a_sweep_table_is_one_line(tmp_path):
+def test_an_ar_model_beside_a_sweep_gets_its_own_column_and_same_names_keep_their_paths(tmp_path):
+    rows = [{"model": f"runs/{m}/model", "family": "masked", "reveal_count": u, "accuracy": 0.5, "mean_nfe": 4.0}
+            for m in ("a", "b") for u in (2, 4)]
+    rows.append({"model": "runs/ar/model", "family": "autoregressive", "accuracy": 0.75, "mean_nfe": 20.0})
+    table = tmp_path / "sweep.json"
+    table.write_text(json.dumps({"task": "tinymath", "n": 4, "sweep": "u=2,4", "rows": rows}))
+    doc = tmp_path / "doc.md"
+    doc.write_text("<!-- study:begin s -->\n<!-- study:end s -->\n")
+    sweep_report.main([str(table), "--doc", str(doc), "--name", "s"])
+    text = doc.read_text()
+    assert "| model | u=2 | u=4 | other models |" in text
+    assert "| runs/ar/model | — | — | 75.0 % (20.0) |" in text
+    assert "| runs/a/model | 50.0 % (4.0) | 50.0 % (4.0) | — |" in text
+
+
+@pytest.mark.parametrize("content", [{"cells": []}, {"rows": []}, {"rows": [{"model": "m"}], "n": 1, "task": "t"}])
+def test_a_file_that_is_not_a_sweep_table_is_one_line(tmp_path, content):
     bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps({"cells": []}))
-    with pytest.raises(SystemExit, match=r"bad.json: no 'rows'"):
+    bad.write_text(json.dumps(content))
+    with pytest.raises(SystemExit, match=r"bad.json: no 'rows'|bad.json: not a `dlm eval --out` table"):
         sweep_report.main([str(bad), "--doc", str(tmp_path / "d.md"), "--name", "x"])

@@ -355,9 +355,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Generate programs for a task's problems, run them in the sandbox, report accuracy, "
                        "mean NFE (forward passes per problem), tokens per NFE and time per problem. Masked models use "
                        "the chosen unmasking policy; --sweep runs a grid and, with --out, writes a JSON table and a "
-                       "PNG of accuracy vs NFE with one curve per model. With several models, each is compared "
-                       "with the first problem by problem at the same grid value (exact McNemar p, bootstrap 95 % "
-                       "CI of the accuracy difference; `paired` in the JSON).",
+                       "PNG of accuracy vs NFE with one curve per model. With several models (accuracy, one sample "
+                       "per problem), each is compared with the first problem by problem at the same grid value "
+                       "(exact McNemar p, bootstrap 95 % CI of the accuracy difference; `paired` in the JSON).",
                        epilog="example: dlm eval runs/mdm runs/ar --sampler threshold --sweep tau=0.7,0.8,0.9,1.0 "
                        "--out sweep.json",
                        formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -174,12 +174,14 @@ class StudyTable:
                 **extra}
         return self._append(cell)
 
-    OUTCOME = ("arm", "seed", "eval", "n", "accuracy", "problems", "correct", "values")
+    OUTCOME = ("arm", "seed", "eval", "n", "accuracy", "problems", "correct", "values", "mean_nfe", "ms_per_problem",
+               "mean_reward", "metrics", "seconds", "train_seconds", "updates", "passes", "copied_from")
 
     def annotate(self, fields) -> int:
         """Set fields of cells written before their driver recorded them (e.g. which weights a cell decoded):
         `fields(cell)` gives the fields to set, or None to leave the cell. What a cell measured (OUTCOME: its
-        identity, problems and per-problem results) cannot change. Returns how many cells changed."""
+        identity, problems, results and costs, and where it was copied from) cannot change. Returns how many
+        cells changed."""
         with self._locked():
             changed = 0
             for cell in self.cells:

@@ -42,7 +42,8 @@ def run_sweep(models: Sequence[str | Path], data: str | Path | None = None, opti
     another family than the swept option's gives a single row. Every model is loaded and run at `dtype` (e.g.
     "bfloat16"; default float32), recorded in the result. `task`: tinymath (default data: the first model's test
     split) or humaneval (pass@k for each k in `ks`). `samples`: every problem's prompt, generation, NFE and grade of
-    every row, as jsonl (the returned table is the same with or without it)."""
+    every row, as jsonl (the returned table is the same with or without it). `paired`: each model against the first,
+    problem by problem (`paired_rows`; one sample per problem only)."""
     name, values = parse_sweep(sweep, options)
     records, source = load_task(task, data, models[0] if models else None, n)
     max_new_tokens = max_new_tokens or default_max_new_tokens(task)
