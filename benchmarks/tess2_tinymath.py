@@ -800,8 +800,8 @@ def plot_arms(plan: Plan, table: StudyTable, path: str | Path) -> None:
         for x, m in zip(xs, summ):
             ax.plot([x] * len(m["per_seed"]), [100 * v for v in m["per_seed"]], "k.", ms=4)
     ax.set_xticks(range(len(plan.arms)), plan.arms, rotation=20)
-    ax.set(ylabel="accuracy (%)", title=f"{plan.name}: mean ± sd over seeds {list(plan.seeds)} (dots: seeds), "
-           f"n = {plan.settings['n']}")
+    ax.set(ylabel="accuracy (%)", title=f"{plan.name}: mean ± sd over seeds {list(plan.seeds)} (dots: seeds)\n"
+           f"n = {plan.settings['n']} problems")
     ax.set_ylim(bottom=0)
     ax.grid(axis="y", alpha=0.3)
     ax.legend()
