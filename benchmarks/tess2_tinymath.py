@@ -575,17 +575,18 @@ def model_family(settings: dict, name: str) -> str:
 
 
 def backfill_measurements(plan: Plan, table: StudyTable) -> int:
-    """Give cells written before the driver recorded them their weights fingerprint (`model`, from the table's pins)
-    and decode signature, the path moving to `run`; then check that cells with one (weights, decoding) agree problem
-    by problem. Returns how many cells changed."""
+    """Give accuracy cells written before the driver recorded them their weights fingerprint (`model`, from the
+    table's pins) and decode signature, the path moving to `run`; then check that cells with one (weights, decoding)
+    agree problem by problem. Measure cells (the Shakespeare study's, which decodes its AR at temperature 1) are left
+    as they are. Returns how many cells changed."""
     s, families = plan.settings, {}
 
     def pin(name: str, seed: int) -> str | None:
         return table.pins.get(f"{name}/seed{seed}" if s["train"][name].get("seed") == "study" else name)
 
     def fields(cell: dict) -> dict | None:
-        if "decode" in cell or "options" not in cell:  # without its options a cell's decoding is unknown
-            return None
+        if "decode" in cell or "options" not in cell or "correct" not in cell:
+            return None  # decoded already; its decoding unknown (no options); or a measure cell (a subclass's)
         name = s["arm_settings"][cell["arm"]]["model"]
         weights = pin(name, cell["seed"])
         if weights is None:
@@ -599,7 +600,7 @@ def backfill_measurements(plan: Plan, table: StudyTable) -> int:
     changed = table.annotate(fields)
     groups: dict = {}
     for c in table.cells:
-        if c.get("decode"):
+        if c.get("decode") and "correct" in c:
             groups.setdefault((c["model"], c["decode"]), []).append(c)
     for cells in groups.values():
         if any(c["correct"] != cells[0]["correct"] for c in cells):
