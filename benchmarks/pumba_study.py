@@ -406,8 +406,7 @@ def run(plan_path, json_path=None, runs=None, seeds=None, max_minutes=None, arms
                 extra = {"train_seconds": record["train_seconds"], "updates": record["updates"],
                          "passes": record["passes"], "model": weights, "decode": signature,
                          **({"recipe": recipe} if recipe else {})}
-                twin = next((c for c in table.cells if c.get("model") == weights and c.get("decode") == signature),
-                            None)
+                twin = table.measured(weights, signature)
                 if twin is not None:  # greedy decoding of the same weights on the same problems
                     result = {"samples": [{"correct": c} for c in twin["correct"]], "mean_nfe": twin.get("mean_nfe"),
                               "ms_per_problem": twin.get("ms_per_problem")}

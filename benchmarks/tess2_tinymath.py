@@ -448,8 +448,7 @@ class Study:
             decode = decode_signature(family, dumped, problems, self.s["max_new_tokens"], seed,
                                       self.weights[scorer] if scorer is not None else None)
             extra = {"model": self.weights[model_dir], "decode": decode, "run": str(model_dir), "options": dumped}
-            twin = next((c for c in self.table.cells if (c.get("model"), c.get("decode")) == (extra["model"], decode)),
-                        None)
+            twin = self.table.measured(extra["model"], decode)
             if twin is not None:  # these weights decoded this way already (the greedy AR in another seed)
                 result = {"samples": [{"correct": x} for x in twin["correct"]],
                           **{k: twin[k] for k in ("mean_nfe", "ms_per_problem") if k in twin}}

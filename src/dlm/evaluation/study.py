@@ -261,6 +261,10 @@ class StudyTable:
                     if arm in self.plan.planned_arms(key) and not self.has(arm, seed, key):
                         yield arm, seed, key
 
+    def measured(self, model: str, decode: str) -> dict | None:
+        """The cell that already decoded these weights this way (its outcomes are what decoding them again gives)."""
+        return next((c for c in self.cells if c.get("model") == model and c.get("decode") == decode), None)
+
     def complete_seeds(self, arms, key: str) -> list[int]:
         """Seeds in which every given arm has the evaluation `key`."""
         return [s for s in self.plan.seeds if all(self.has(a, s, key) for a in arms)]
