@@ -373,12 +373,10 @@ def run(plan_path, json_path=None, runs=None, seeds=None, max_minutes=None, arms
                 donated = donors.cell(arm, seed, key, problems)
                 if donated is not None:  # another plan ran this very cell: take it over, train nothing
                     c, source = donated
-                    result = {"samples": [{"correct": x} for x in c["correct"]],
-                              **{k: c[k] for k in ("mean_nfe", "ms_per_problem") if k in c}}
-                    kept = ("train_seconds", "updates", "passes", "model", "decode")
-                    extra = {**{k: c[k] for k in kept if k in c}, **({"recipe": recipe} if recipe else {}),
-                             "copied_from": {"table": source, "arm": c["arm"], "seed": c["seed"], "eval": c["eval"]}}
-                    cell = table.add(arm, seed, key, result, problems=problems, **extra)
+                    cell = table.add_copy(arm, seed, key, c, problems=problems,
+                                          keep=("train_seconds", "updates", "passes", "model", "decode"),
+                                          copied_from={"table": source, "arm": c["arm"], "seed": c["seed"],
+                                                       "eval": c["eval"]}, **({"recipe": recipe} if recipe else {}))
                     added += 1
                     print(f"seed {seed} {arm:14s} {key:14s} accuracy {100 * cell['accuracy']:5.1f} % (from "
                           f"{source}'s {c['arm']})", flush=True)
@@ -408,12 +406,11 @@ def run(plan_path, json_path=None, runs=None, seeds=None, max_minutes=None, arms
                          **({"recipe": recipe} if recipe else {})}
                 twin = table.measured(weights, signature)
                 if twin is not None:  # greedy decoding of the same weights on the same problems
-                    result = {"samples": [{"correct": c} for c in twin["correct"]], "mean_nfe": twin.get("mean_nfe"),
-                              "ms_per_problem": twin.get("ms_per_problem")}
-                    extra["copied_from"] = [twin["arm"], twin["seed"], twin["eval"]]
+                    cell = table.add_copy(arm, seed, key, twin, problems=problems, **extra,
+                                          copied_from=[twin["arm"], twin["seed"], twin["eval"]])
                 else:
                     result = evaluate_cell(plan, model_dir, key, records, seed, zero)
-                cell = table.add(arm, seed, key, result, problems=problems, **extra)
+                    cell = table.add(arm, seed, key, result, problems=problems, **extra)
                 added += 1
                 print(f"seed {seed} {arm:14s} {key:14s} accuracy {100 * cell['accuracy']:5.1f} % | NFE "
                       f"{cell.get('mean_nfe') or 0:5.1f}{' (copied)' if twin else ''}", flush=True)

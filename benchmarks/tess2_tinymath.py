@@ -450,11 +450,8 @@ class Study:
             extra = {"model": self.weights[model_dir], "decode": decode, "run": str(model_dir), "options": dumped}
             twin = self.table.measured(extra["model"], decode)
             if twin is not None:  # these weights decoded this way already (the greedy AR in another seed)
-                result = {"samples": [{"correct": x} for x in twin["correct"]],
-                          **{k: twin[k] for k in ("mean_nfe", "ms_per_problem") if k in twin}}
-                extra.update({k: twin[k] for k in ("mean_reward",) if k in twin},
-                             copied_from=[twin["arm"], twin["seed"], twin["eval"]])
-                cell = self.table.add(arm, seed, key, result, problems=problems, **extra)
+                cell = self.table.add_copy(arm, seed, key, twin, problems=problems, keep=("mean_reward",), **extra,
+                                           copied_from=[twin["arm"], twin["seed"], twin["eval"]])
                 added += 1
                 print(f"{arm:>14s} seed {seed} {key:>7s}: {100 * cell['accuracy']:5.1f} % (n={cell['n']}, the same "
                       f"measurement as {twin['arm']} seed {twin['seed']})", flush=True)
@@ -543,11 +540,9 @@ class Donors:
                 continue
             for name, value in pins:
                 self.table.pin(name, value)  # refuses if we trained that stage to other weights
-            result = {"samples": [{"correct": x} for x in c["correct"]],
-                      **{k: c[k] for k in ("mean_nfe", "ms_per_problem") if k in c}}
-            extra = {k: c[k] for k in ("model", "decode", "run", "options") if k in c}
-            return self.table.add(arm, seed, key, result, problems=problems, **extra,
-                                  copied_from={"table": donor.name, "arm": d, "seed": seed, "eval": key})
+            return self.table.add_copy(arm, seed, key, c, problems=problems,
+                                       keep=("model", "decode", "run", "options"),
+                                       copied_from={"table": donor.name, "arm": d, "seed": seed, "eval": key})
         return None
 
 

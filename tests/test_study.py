@@ -75,6 +75,24 @@ def test_table_resumes_refuses_other_plans_and_unplanned_cells(tmp_path):
         StudyTable(path, _plan(tmp_path, PLAN.replace("steps: 200", "steps: 400")))
 
 
+def test_add_copy_takes_over_outcomes_and_only_the_named_fields(tmp_path):
+    """A cell copied from one that made the same measurement has its outcomes, NFE and time per problem, the
+    fields `keep` names (where the source has them), the caller's fields over those, and where it came from; a copy
+    is refused like any cell where the table has one already."""
+    t = StudyTable(tmp_path / "t.json", _plan(tmp_path))
+    src = t.add("mdm", 0, "u=2", _result([1, 0, 1, 1]), problems="p", model="m1", decode="d", updates=200)
+    cell = t.add_copy("mdm", 1, "u=2", src, problems="p", keep=("model", "updates", "absent"), decode="d2",
+                      copied_from=["mdm", 0, "u=2"])
+    assert cell["correct"] == src["correct"] and cell["accuracy"] == 0.75
+    assert (cell["mean_nfe"], cell["ms_per_problem"], cell["model"], cell["updates"]) == (3.0, 1.0, "m1", 200)
+    assert cell["decode"] == "d2" and "absent" not in cell and cell["copied_from"] == ["mdm", 0, "u=2"]
+    bare = t.add_copy("w2", 1, "u=2", {"correct": [0, 1]}, problems="p", copied_from=["x", 0, "u=2"])
+    assert "mean_nfe" not in bare and "ms_per_problem" not in bare and bare["n"] == 2
+    assert StudyTable(tmp_path / "t.json", _plan(tmp_path)).cell("mdm", 1, "u=2")["copied_from"] == ["mdm", 0, "u=2"]
+    with pytest.raises(StudyError):
+        t.add_copy("mdm", 1, "u=2", src, problems="p", copied_from=["mdm", 0, "u=2"])
+
+
 def test_summary_and_compare_pair_by_problem(tmp_path):
     t = StudyTable(tmp_path / "t.json", _plan(tmp_path))
     a = [[1, 1, 0, 1], [1, 0, 1, 1], [1, 1, 1, 1]]

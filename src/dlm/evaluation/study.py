@@ -166,6 +166,17 @@ class StudyTable:
                 **{k: result[k] for k in ("mean_nfe", "ms_per_problem") if k in result}, **extra}
         return self._append(cell)
 
+    def add_copy(self, arm: str, seed: int, key: str, source: Mapping, *, problems: str, copied_from,
+                 keep=(), **extra) -> dict:
+        """Store an accuracy cell whose outcomes are `source`'s (a cell that already made this measurement: the same
+        weights decoded the same way here, or the same cell in another plan's table). Its per-problem outcomes, NFE
+        and time per problem are taken over, with the fields named in `keep` that `source` has; `copied_from` says
+        where they came from."""
+        result = {"samples": [{"correct": x} for x in source["correct"]],
+                  **{k: source[k] for k in ("mean_nfe", "ms_per_problem") if k in source}}
+        kept = {k: source[k] for k in keep if k in source}
+        return self.add(arm, seed, key, result, problems=problems, **{**kept, **extra}, copied_from=copied_from)
+
     def add_measure(self, arm: str, seed: int, key: str, values: list, *, problems: str, **extra) -> dict:
         """Store one cell of a measure other than accuracy: `values` has one entry per problem (a number, or a list
         of numbers such as D_mask at each masking ratio, None where missing), so two arms can be paired by problem."""
