@@ -454,9 +454,10 @@ def plan_progress(results: Path, plans: Path) -> list[dict]:
         to_go, unmeasured = _time_to_go(plan, table)
         missing = sum(len(keys[a]) for a, _ in pairs) - len(cells)
         lost = lost_starts(plan, table, plans) if missing else []
+        absent = absent_starts(plan, table, plans) if missing else []
         stopped = any(line.startswith("# STOPPED") for line in path.read_text().splitlines())
         out.append({"plan": plan.name, "source": path, "table": table_path if table else None, "stopped": stopped,
-                    "to_go": to_go / 3600, "unmeasured": unmeasured, "lost": lost,
+                    "to_go": to_go / 3600, "unmeasured": unmeasured, "lost": lost, "absent": absent,
                     "cells": len(cells), "planned": sum(len(keys[a]) for a, _ in pairs), "pairs": len(pairs),
                     "complete": complete, "full": full, "arms": plan.arms, "seeds": plan.seeds,
                     "hours": (sum(trained.values()) + evaluated) / 3600})
@@ -469,6 +470,17 @@ def lost_starts(plan: Plan, table: StudyTable | None, plans: Path) -> list[str]:
     manifest = plans.parent / "starts" / "starts.json"
     saved = {e["fingerprint"] for e in json.loads(manifest.read_text()).values()} if manifest.is_file() else set()
     return [n for n in _shared_starts(plan) if table is not None and n in table.pins and table.pins[n] not in saved]
+
+
+def absent_starts(plan: Plan, table: StudyTable | None, plans: Path) -> list[str]:
+    """The kept starts a plan's table pins whose weights are not on this machine: the manifest is in git, the
+    weights are not (they stay under benchmarks/starts/ on the machine that saved them), so the plan's missing cells
+    wait for them to be copied here. Not frozen: another machine can still continue the plan."""
+    store = plans.parent / "starts"
+    manifest = store / "starts.json"
+    kept = {e["fingerprint"]: n for n, e in json.loads(manifest.read_text()).items()} if manifest.is_file() else {}
+    return [n for n in _shared_starts(plan) if table is not None and table.pins.get(n) in kept
+            and not any((store / kept[table.pins[n]] / "model").glob("*.safetensors"))]
 
 
 def _shared_starts(plan: Plan) -> list[str]:
@@ -560,6 +572,10 @@ def _to_go_text(p: dict) -> str:
     if p.get("lost"):
         return (f"frozen: its pinned {', '.join(p['lost'])} weights are lost (not in benchmarks/starts/); the "
                 "missing cells cannot run against them")
+    if p.get("absent"):  # kept, but on another machine: says what to fetch before the estimate
+        names = ", ".join(p["absent"])
+        return (f"waits for its kept {names} weights, which are not on this machine (not in git; copy "
+                f"benchmarks/starts/ from the machine that saved them); then {_to_go_text({**p, 'absent': []})}")
     if not p["unmeasured"]:
         return f"{p['to_go']:.1f}"
     if p["cells"] == 0:

@@ -326,7 +326,14 @@ def test_a_plan_whose_pinned_start_is_not_kept_is_frozen(tmp_path):
     (tmp_path / "starts").mkdir()
     (tmp_path / "starts" / "starts.json").write_text(json.dumps({"w": {"path": "runs/w", "fingerprint": "abc"}}))
     assert claims_table.build_rows(data, results, plans)[0]["seeds"] == "2/3"
-    assert {p["plan"]: p for p in claims_table.plan_progress(results, plans)}["toy"]["lost"] == []
+    toy = {p["plan"]: p for p in claims_table.plan_progress(results, plans)}["toy"]
+    assert toy["lost"] == []
+    # kept in the manifest but its weights are on another machine (they are not in git): waiting, not frozen
+    assert toy["absent"] == ["warm"] and claims_table._to_go_text(toy).startswith("waits for its kept warm weights")
+    (tmp_path / "starts" / "w" / "model").mkdir(parents=True)
+    (tmp_path / "starts" / "w" / "model" / "model.safetensors").write_bytes(b"x")
+    toy = {p["plan"]: p for p in claims_table.plan_progress(results, plans)}["toy"]
+    assert toy["absent"] == [] and not claims_table._to_go_text(toy).startswith("waits")
 
 
 def test_a_measure_table_gets_its_verdict_in_the_claimed_direction(tmp_path):
