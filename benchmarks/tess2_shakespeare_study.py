@@ -89,7 +89,7 @@ class ShakespeareStudy(tt.Study):
     """tess2_tinymath's Study (training, pins, donors, --max-minutes) with loss and prefix measure cells."""
 
     def run(self) -> int:
-        from dlm.evaluation.intrinsic import _score, intrinsic_metrics
+        from dlm.evaluation.intrinsic import intrinsic_metrics
         from dlm.evaluation.tasks import evaluate
         from dlm.sampling import load_for_inference
         from dlm.sampling.options import parse_options
@@ -123,11 +123,11 @@ class ShakespeareStudy(tt.Study):
                 generations = [x["generation"] for x in r["samples"]]
                 prompts = [x["prompt"] for x in records]
                 ref_model, ref_tok = load_for_inference(reference)
-                nll, count, _ = _score(ref_model, ref_tok, prompts, generations, self.s.get("batch_size", 16))
-                values = [a / max(c, 1) for a, c in zip(nll, count)]
                 metrics = intrinsic_metrics(prompts, generations, [x["response"] for x in records], tok, ref_model,
                                             ref_tok, self.s.get("batch_size", 16),
-                                            with_mauve=bool(self.s.get("mauve", True)), mauve_features="minilm")
+                                            with_mauve=bool(self.s.get("mauve", True)), mauve_features="minilm",
+                                            per_sample=True)
+                values = metrics.pop("nll_per_token")  # the cell's per-prompt values, paired across arms
                 extra.update(metrics={k: v for k, v in metrics.items() if isinstance(v, (int, float))},
                              options=options.model_dump(mode="json", exclude_unset=True), temperature=temperature,
                              mean_nfe=r["mean_nfe"],

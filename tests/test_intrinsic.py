@@ -54,6 +54,12 @@ def test_intrinsic_table_end_to_end(tmp_path, tiny_tokenizer):
                 nll -= logp[pos - 1, ids[0, pos]].item()
                 n += 1
     assert m["perplexity"] == pytest.approx(math.exp(nll / n), rel=1e-4)
+    assert "nll_per_token" not in m
+    per = intrinsic_metrics(prompts, responses, responses, tiny_tokenizer, ar, tiny_tokenizer, with_mauve=False,
+                            per_sample=True)
+    lengths = [len(encode_pair(tiny_tokenizer, p, r)[1]) + 1 for p, r in zip(prompts, responses)]  # + EOS
+    assert len(per["nll_per_token"]) == 2 and per["perplexity"] == pytest.approx(m["perplexity"], rel=1e-6)
+    assert sum(v * k for v, k in zip(per["nll_per_token"], lengths)) == pytest.approx(nll, rel=1e-4)
 
     ar.save_pretrained(tmp_path / "ar")
     tiny_tokenizer.save_pretrained(tmp_path / "ar")

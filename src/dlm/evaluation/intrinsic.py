@@ -124,9 +124,11 @@ def mauve_score(reference_features, generated_features, seed: int = 25) -> float
 
 def intrinsic_metrics(prompts: Sequence[str], generations: Sequence[str], references: Sequence[str], tok,
                       reference_model, reference_tok, batch_size: int = 50, with_mauve: bool = True,
-                      mauve_features: str = "auto") -> dict:
+                      mauve_features: str = "auto", per_sample: bool = False) -> dict:
     """Perplexity, dist-1..4, unigram entropy (generation tokens of `tok`) and MAUVE of `generations` (features from
-    `mauve_features`: minilm, reference (the held-out model) or auto)."""
+    `mauve_features`: minilm, reference (the held-out model) or auto). `per_sample` adds `nll_per_token`: each
+    generation's mean NLL per token (response + EOS) under the reference model, from the same pass as the
+    perplexity (which is their token-weighted mean, exponentiated), so a study can pair generations by prompt."""
     token_lists = [tok(g, add_special_tokens=False)["input_ids"] for g in generations]
     nll, count, gen_feats = _score(reference_model, reference_tok, prompts, generations, batch_size)
     result = {"perplexity": math.exp(sum(nll) / max(sum(count), 1)),
@@ -139,6 +141,8 @@ def intrinsic_metrics(prompts: Sequence[str], generations: Sequence[str], refere
         else:
             _, _, ref_feats = _score(reference_model, reference_tok, prompts, references, batch_size)
         result["mauve"] = mauve_score(ref_feats, gen_feats)
+    if per_sample:
+        result["nll_per_token"] = [a / max(c, 1) for a, c in zip(nll, count)]
     return result
 
 
