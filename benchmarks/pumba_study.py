@@ -164,21 +164,6 @@ def trained_model(plan, arm: str, seed: int, runs: Path, minutes: float | None =
     return run / "model", record
 
 
-def zero_carry_(model) -> None:
-    """Make the carry input exactly zero: LayerNorm(h) with zero weight and bias is 0 for every h (PUMBA Eq. 3.1),
-    so the model computes what its backbone computes without a carry."""
-    import torch
-
-    from dlm.modeling.carry import CARRY_MODULE
-
-    norm = getattr(model.backbone, CARRY_MODULE, None)
-    if norm is None:
-        raise ValueError("zero_carry: this model has no carry layer")
-    with torch.no_grad():
-        norm.weight.zero_()
-        norm.bias.zero_()
-
-
 def split_file(plan, split: str) -> Path:
     return Path(plan.settings["data"]) / ("test.jsonl" if split == "test" else f"test_{split}.jsonl")
 
@@ -197,6 +182,7 @@ def split_records(plan, split: str) -> list[dict]:
 def evaluate_cell(plan, model_dir: Path, key: str, records: list[dict], seed: int, zero_carry: bool = False) -> dict:
     """One evaluation of a saved model on `records`, with per-problem samples."""
     from dlm.evaluation.tasks import evaluate
+    from dlm.modeling.carry import zero_carry_
     from dlm.sampling import MaskedOptions, load_for_inference
 
     s = plan.settings

@@ -116,9 +116,7 @@ def test_bridges_kept_plan_reruns_pumba_bridges_arms(tmp_path):
 
 def test_zeroed_carry_is_a_carry_less_model():
     """w1-zero-carry: zeroing the carry LayerNorm makes the carry input exactly 0 (Eq. 3.1), whatever the carry."""
-    import pumba_study
-
-    from dlm.modeling.carry import CARRY_MODULE
+    from dlm.modeling.carry import CARRY_MODULE, zero_carry_
 
     with_carry = perturb(tiny_model(40, attention="bidirectional", family="masked", carry=True, mask_token_id=39))
     norm = getattr(with_carry.backbone, CARRY_MODULE)
@@ -134,10 +132,10 @@ def test_zeroed_carry_is_a_carry_less_model():
     with torch.no_grad():
         reference = plain(ids)
         assert (with_carry(ids, carry=carry) - reference).abs().max() > 1e-2  # the carry matters before
-        pumba_study.zero_carry_(with_carry)
+        zero_carry_(with_carry)
         torch.testing.assert_close(with_carry(ids, carry=carry), reference, rtol=0, atol=1e-6)
     with pytest.raises(ValueError, match="no carry layer"):
-        pumba_study.zero_carry_(plain)
+        zero_carry_(plain)
 
 
 def _smoke_plan(tmp_path, warm, data, w1_updates=2):
@@ -412,3 +410,46 @@ def test_plot_series_keep_top_u_and_threshold_apart_and_draw_an_ar_once(tmp_path
     assert lines["mdm (top-u)"] == [(9.0, 80.0, 0.0), (36.0, 90.0, 0.0)]
     assert lines["mdm (threshold)"] == [(3.0, 85.0, 0.0)]
     assert lines["ar"] == [(27.0, 99.0, 0.0)]
+
+
+def test_zero_carry_copy_is_the_model_with_its_carry_zeroed(tmp_path, tiny_tokenizer):
+    """benchmarks/zero_carry.py: the saved copy reloads with a zero carry LayerNorm and every other weight bitwise
+    the source's, so it computes what the source computes with its carry zeroed in memory; an existing destination
+    and a model without a carry are refused in one line."""
+    from zero_carry import write_zero_carry
+
+    from dlm.errors import DlmError
+    from dlm.modeling.build import save_model
+    from dlm.modeling.carry import CARRY_MODULE, zero_carry_
+    from dlm.sampling import load_for_inference
+
+    vocab, mask = len(tiny_tokenizer), tiny_tokenizer.mask_token_id
+    src = perturb(tiny_model(vocab, attention="bidirectional", family="masked", carry=True, mask_token_id=mask))
+    with torch.no_grad():
+        getattr(src.backbone, CARRY_MODULE).weight.normal_()
+        getattr(src.backbone, CARRY_MODULE).bias.normal_()
+    save_model(src, tmp_path / "src")
+    tiny_tokenizer.save_pretrained(tmp_path / "src")
+    dest = write_zero_carry(tmp_path / "src", tmp_path / "copy")
+    copy, _ = load_for_inference(dest)
+    before, after = src.state_dict(), copy.state_dict()
+    assert before.keys() == after.keys()
+    for k in before:
+        if CARRY_MODULE in k:
+            assert after[k].abs().max() == 0 and before[k].abs().max() > 0
+        else:
+            assert torch.equal(before[k], after[k]), k
+    ids = torch.randint(0, vocab - 1, (2, 10), generator=torch.Generator().manual_seed(0))
+    carry = torch.randn(2, 10, src.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    zero_carry_(src)
+    with torch.no_grad():
+        torch.testing.assert_close(copy(ids, carry=carry), src(ids, carry=carry), rtol=0, atol=0)
+    assert json.loads((dest / "zero_carry.json").read_text())["source"].endswith("src")
+    with pytest.raises(DlmError, match="already exists"):
+        write_zero_carry(tmp_path / "src", dest)
+    plain = tiny_model(vocab, attention="bidirectional", family="masked", mask_token_id=mask)
+    save_model(plain, tmp_path / "plain")
+    tiny_tokenizer.save_pretrained(tmp_path / "plain")
+    with pytest.raises(DlmError, match="no carry layer"):
+        write_zero_carry(tmp_path / "plain", tmp_path / "plain-copy")
+    assert not (tmp_path / "plain-copy").exists() and not (tmp_path / "plain-copy.tmp").exists()

@@ -35,6 +35,18 @@ def new_carry_norm(hidden_size: int, eps: float = 1e-5, device=None, dtype=None)
     return norm
 
 
+def zero_carry_(model) -> None:
+    """Make `model`'s carry input exactly zero: LayerNorm(h) with zero weight and bias is 0 for every h (Eq. 3.1),
+    so the model computes what its backbone computes without a carry (an inference ablation: what the trained carry
+    contributes). Raises ValueError for a model without a carry layer."""
+    norm = getattr(model.backbone, CARRY_MODULE, None)
+    if norm is None:
+        raise ValueError("zero_carry: this model has no carry layer")
+    with torch.no_grad():
+        norm.weight.zero_()
+        norm.bias.zero_()
+
+
 def carry_norm_for(backbone: nn.Module) -> nn.LayerNorm:
     """The carry LayerNorm for `backbone` (its hidden size, norm epsilon, device and dtype), zero-initialised."""
     weight = backbone.get_input_embeddings().weight
