@@ -137,3 +137,32 @@ def test_prompt_len_checked(tiny_tokenizer):
 def test_visible():
     assert visible("a\n\tb") == "a\n\tb"
     assert visible("\x07\r\x7f") == "␇␍␡"
+
+
+@pytest.mark.parametrize("kind", ["full", "block"])
+def test_trace_records_every_proposal_kept_or_not(tiny_tokenizer, kind):
+    """The trace keeps what each step proposed wherever it could reveal: at revealed positions the proposal is the
+    token written and its confidence the one recorded; positions the rule left masked keep a proposal (the next
+    step's starting point); positions it could not reveal (the prompt, revealed ones, later blocks) have none. Both
+    decoders: the full-canvas reference and the block-causal model with its KV cache."""
+    from tests.conftest import perturb
+
+    tok = tiny_tokenizer
+    attention = "bidirectional" if kind == "full" else "block_causal"
+    model = perturb(tiny_model(len(tok), attention=attention, family="masked", mask_token_id=tok.mask_token_id))
+    prompts = [tok("user: Mia has 3 apples.\nassistant: ")["input_ids"], tok("user: Tom?\nassistant: ")["input_ids"]]
+    out = generate(model, prompts, 8, tok.eos_token_id, tok.pad_token_id, tok.mask_token_id, policy="top_u",
+                   reveal_count=2, return_trace=True)
+    before = None
+    deferred = 0
+    for step in out.trace:
+        proposed, conf, revealed = step["proposed"], step["proposed_confidence"], step["revealed"]
+        could = proposed >= 0
+        assert torch.equal(proposed[revealed], step["canvas"][revealed])
+        assert torch.equal(conf[revealed], step["confidence"][revealed].float())
+        assert (conf[~could] == 0).all() and (conf[could] > 0).all()
+        if before is not None:  # a position is proposed only while it is masked before the step
+            assert (before[could] == tok.mask_token_id).all()
+        deferred += int((could & ~revealed).sum())
+        before = step["canvas"]
+    assert deferred > 0  # top-u with u=2 over 8 positions leaves proposals unrevealed

@@ -125,8 +125,9 @@ def decode_block_causal(model, canvas, attention, positions, P, block_size, step
         carry = hidden[:, s - c :] if uses_carry else None
         rows, logits, step_cache = active, _block_logits(raw[:, s - c - first :], boundary, block_size), None
         while True:
-            reveal, confidence = step(canvas, rows, s, logits, canvas[rows, s:e] == mask_id)
-            progress.record(rows, s, reveal, confidence)
+            eligible = canvas[rows, s:e] == mask_id
+            reveal, confidence, proposal = step(canvas, rows, s, logits, eligible)
+            progress.record(rows, s, reveal, confidence, eligible, proposal)
             local = progress.working(rows, s, e)  # the rows that take another step on this block
             if local is None:
                 break
@@ -181,8 +182,9 @@ def decode_fast_dllm(model, canvas, attention, positions, P, block_size, step, e
         end = L if mode == "prefix" else e  # the positions each later step recomputes: s..end
         rows, logits, step_cache = active, _block_logits(raw[:, s:], boundary, e - s), None
         while True:
-            reveal, confidence = step(canvas, rows, s, logits, canvas[rows, s:e] == mask_id)
-            progress.record(rows, s, reveal, confidence)
+            eligible = canvas[rows, s:e] == mask_id
+            reveal, confidence, proposal = step(canvas, rows, s, logits, eligible)
+            progress.record(rows, s, reveal, confidence, eligible, proposal)
             local = progress.working(rows, s, e)
             if local is None:
                 break

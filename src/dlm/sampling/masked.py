@@ -30,7 +30,9 @@ from dlm.sampling.steps import Progress, first_index, make_rule, reveal_step
 class MaskedGeneration:
     tokens: list[list[int]]  # generated ids, up to but excluding the first EOS
     nfe: list[int]  # forward passes each sample took part in while unfinished
-    trace: list[dict] | None = None  # per step: canvas [B, L] after the step, revealed [B, L], confidence [B, L]
+    # per step: canvas [B, L] after the step, revealed [B, L], confidence [B, L]; proposed [B, L] (token, -1 where
+    # the step could reveal nothing) and proposed_confidence [B, L]
+    trace: list[dict] | None = None
 
 
 @torch.no_grad()
@@ -144,6 +146,6 @@ def decode(model, canvas, attention, positions, P, block_size, step, eos_id, mas
         else:
             logits = model(canvas[sub], **inputs)
         eligible = masked & (block_of[None, :] == current[:, None])
-        reveal, confidence = step(canvas, sub, P, logits[:, P:], eligible)
-        progress.record(sub, P, reveal, confidence)
+        reveal, confidence, proposal = step(canvas, sub, P, logits[:, P:], eligible)
+        progress.record(sub, P, reveal, confidence, eligible, proposal)
     return progress.nfe

@@ -49,17 +49,22 @@ def finished(region: torch.Tensor, eos_id: int, mask_id: int) -> torch.Tensor:
 def reveal_step(canvas: torch.Tensor, rows, start: int, logits: torch.Tensor, eligible: torch.Tensor, rule,
                 mask_id: int, temperature: float, generator: torch.Generator | None):
     """One denoising step on canvas[rows, start : start + W] from its logits [R, W, V] (index i predicts position
-    start + i): reveal the positions the rule picks among `eligible` [R, W]. Returns (reveal, confidence) [R, W]."""
+    start + i): reveal the positions the rule picks among `eligible` [R, W]. Returns (reveal, confidence, token)
+    [R, W]: what it revealed, and the token and confidence it proposed at every position."""
     region = canvas[rows, start : start + logits.shape[1]]
     confidence, token = candidates(logits, mask_id, temperature, generator)
     reveal = rule(confidence, eligible)
     canvas[rows, start : start + logits.shape[1]] = torch.where(reveal, token, region)
-    return reveal, confidence
+    return reveal, confidence, token
 
 
 def record_step(trace: list[dict] | None, canvas: torch.Tensor, rows, start: int, reveal: torch.Tensor,
-                confidence: torch.Tensor) -> None:
-    """Append the canvas after a step, and what it revealed with which confidence, to the trace."""
+                confidence: torch.Tensor, eligible: torch.Tensor | None = None,
+                proposal: torch.Tensor | None = None) -> None:
+    """Append the canvas after a step, and what it revealed with which confidence, to the trace; with `eligible`
+    and `proposal` [R, W] also what the step proposed at every position it could reveal, kept or not: `proposed`
+    (the token, else -1) and `proposed_confidence` (its confidence, else 0), e.g. to follow a position the rule
+    left masked."""
     if trace is None:
         return
     full_reveal = torch.zeros(canvas.shape, dtype=torch.bool, device=canvas.device)
@@ -67,7 +72,14 @@ def record_step(trace: list[dict] | None, canvas: torch.Tensor, rows, start: int
     W = reveal.shape[1]
     full_reveal[rows, start : start + W] = reveal
     full_conf[rows, start : start + W] = torch.where(reveal, confidence, 0.0)
-    trace.append({"canvas": canvas.cpu().clone(), "revealed": full_reveal.cpu(), "confidence": full_conf.cpu()})
+    entry = {"canvas": canvas.cpu().clone(), "revealed": full_reveal.cpu(), "confidence": full_conf.cpu()}
+    if eligible is not None and proposal is not None:
+        proposed = torch.full(canvas.shape, -1, dtype=torch.long, device=canvas.device)
+        proposed_conf = torch.zeros(canvas.shape, device=canvas.device)
+        proposed[rows, start : start + W] = torch.where(eligible, proposal, -1)
+        proposed_conf[rows, start : start + W] = torch.where(eligible, confidence.float(), 0.0)
+        entry.update(proposed=proposed.cpu(), proposed_confidence=proposed_conf.cpu())
+    trace.append(entry)
 
 
 class Progress:
@@ -79,11 +91,13 @@ class Progress:
         self.done = finished(canvas[:, P:], eos_id, mask_id)
         self.nfe = torch.zeros(canvas.shape[0], dtype=torch.long, device=canvas.device)
 
-    def record(self, rows, start: int, reveal: torch.Tensor, confidence: torch.Tensor) -> None:
-        """After a step of `rows` on canvas[rows, start:]: count the pass, mark the rows now finished, trace it."""
+    def record(self, rows, start: int, reveal: torch.Tensor, confidence: torch.Tensor,
+               eligible: torch.Tensor | None = None, proposal: torch.Tensor | None = None) -> None:
+        """After a step of `rows` on canvas[rows, start:]: count the pass, mark the rows now finished, trace it
+        (with what it proposed where it could reveal, given `eligible` and `proposal`)."""
         self.nfe[rows] += 1
         self.done[rows] = finished(self.canvas[rows, self.P :], self.eos_id, self.mask_id)
-        record_step(self.trace, self.canvas, rows, start, reveal, confidence)
+        record_step(self.trace, self.canvas, rows, start, reveal, confidence, eligible, proposal)
 
     def working(self, rows: torch.Tensor, start: int, end: int) -> torch.Tensor | None:
         """Indices into `rows` of the rows that are unfinished and still have a mask in canvas[:, start:end] (the rows
