@@ -166,3 +166,36 @@ def test_trace_records_every_proposal_kept_or_not(tiny_tokenizer, kind):
         deferred += int((could & ~revealed).sum())
         before = step["canvas"]
     assert deferred > 0  # top-u with u=2 over 8 positions leaves proposals unrevealed
+
+
+def test_reveal_diagnostic_reads_each_blocks_first_two_steps(tiny_tokenizer):
+    """benchmarks/reveal_diagnostic.py on real traces of a block-causal model (blocks of 4, u=2): top-u + tau never
+    defers a confident position; fixed top-u with tau=0 (every proposal counts as confident) defers exactly the
+    block's other eligible positions at its first step, and its hard positions are none; every block is counted."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from reveal_diagnostic import block_steps, read_blocks
+
+    from tests.conftest import perturb
+
+    tok = tiny_tokenizer
+    model = perturb(tiny_model(len(tok), attention="block_causal", family="masked", mask_token_id=tok.mask_token_id))
+    prompts = [tok("user: Mia has 3 apples.\nassistant: ")["input_ids"], tok("user: Tom?\nassistant: ")["input_ids"]]
+    P = max(map(len, prompts))
+
+    def trace(policy, tau):
+        return generate(model, prompts, 8, tok.eos_token_id, tok.pad_token_id, tok.mask_token_id, policy=policy,
+                        reveal_count=2, confidence_threshold=tau, return_trace=True).trace
+
+    fixed = trace("top_u", 0.9)
+    blocks = [block_steps(fixed, row, P, 4) for row in range(2)]
+    two_step = [steps for b in blocks for steps in b.values() if len(steps) >= 2]
+    first_eligible = sum(int((steps[0]["proposed"][row, P:] >= 0).sum())
+                         for row, b in enumerate(blocks) for steps in b.values() if len(steps) >= 2)
+    c = read_blocks(fixed, 2, P, 4, tau=0.0)
+    assert c["blocks"] == sum(len(b) for b in blocks) and c["two_step_blocks"] == len(two_step) > 0
+    assert c["deferred"] == first_eligible - 2 * len(two_step) and c["hard"] == 0
+    assert 0 <= c["deferred_changed"] <= c["deferred"]
+    assert read_blocks(trace("top_u_or_threshold", 0.5), 2, P, 4, tau=0.5)["deferred"] == 0
