@@ -14,6 +14,8 @@ compared are fixed top-u and top-u + tau at the same u (PUMBA's training rule fo
     python benchmarks/reveal_diagnostic.py runs/block-long/seed0/mdm runs/block-long/seed0/u16w2 \\
       --data runs/calib-ar-medium/data/test.jsonl --n 100 --u 16 --tau 0.9 \\
       --out docs/results/block-long-reveal-seed0.json
+    python benchmarks/reveal_diagnostic.py --report docs/results/block-long-reveal-seed0.json \
+      --doc docs/results/block-tinymath.md --name reveal       # its table into a doc, between study markers
 """
 
 from __future__ import annotations
@@ -107,10 +109,31 @@ def run(models, data, n: int, u: int, tau: float, max_new_tokens: int, batch_siz
     return {"data": str(data), "rows": rows}
 
 
+def report_lines(result: dict, source: str, doc: str, name: str | None) -> list[str]:
+    """The doc's generated block: one row per model and rule."""
+    lines = [f"From [`{Path(source).name}`]({Path(source).name}) (the first {result['rows'][0]['n']} problems of "
+             f"`{result['data']}`); regenerate with:", "",
+             f"    python benchmarks/reveal_diagnostic.py --report {source} --doc {doc}"
+             + (f" --name {name}" if name else ""), "",
+             "| model | rule | accuracy | two-step blocks | confident positions deferred (changed at step 2) | "
+             "hard positions | their confidence, step 1 → 2 | revealed in the block when decided |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        rule = "fixed top-u" if r["rule"] == "top_u" else "top-u + τ"
+        lines.append(f"| {Path(r['model']).name} | {rule} (u={r['u']}, τ={r['tau']:g}) | {100 * r['accuracy']:.1f} % "
+                     f"| {r['two_step_blocks']} of {r['blocks']} | {r['deferred']} ({r['deferred_changed']}) | "
+                     f"{r['hard']} | {r['hard_mean_conf_1']:.3f} → {r['hard_mean_conf_2']:.3f} | "
+                     f"{r['hard_mean_context']:.1f} |")
+    return lines
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("models", nargs="+", help="block-causal masked model or run directories")
-    ap.add_argument("--data", required=True, help="tinymath jsonl with prompt/response/answer")
+    ap.add_argument("models", nargs="*", help="block-causal masked model or run directories")
+    ap.add_argument("--report", metavar="JSON", help="write this earlier --out's table into --doc instead of running")
+    ap.add_argument("--doc", help="with --report: the results doc")
+    ap.add_argument("--name", help="with --report: the doc's study-marker name")
+    ap.add_argument("--data", help="tinymath jsonl with prompt/response/answer")
     ap.add_argument("--n", type=int, default=100, help="first N problems (default 100)")
     ap.add_argument("--u", type=int, default=16, help="u of both rules (default 16)")
     ap.add_argument("--tau", type=float, default=0.9, help="confidence threshold (default 0.9)")
@@ -118,6 +141,17 @@ def main(argv=None) -> None:
     ap.add_argument("--batch-size", type=int, default=25)
     ap.add_argument("--out", help="write the rows (with per-problem outcomes) to this JSON")
     args = ap.parse_args(argv)
+    if args.report:
+        from dlm.evaluation.study import write_study_section
+
+        if not args.doc:
+            ap.error("--report needs --doc")
+        write_study_section(args.doc, report_lines(json.loads(Path(args.report).read_text()), args.report,
+                                                       args.doc, args.name), name=args.name)
+        print(f"wrote {args.doc} ({args.name})")
+        return
+    if not args.models or not args.data:
+        ap.error("give the models and --data (or --report)")
     result = run(args.models, args.data, args.n, args.u, args.tau, args.max_new_tokens, args.batch_size)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
