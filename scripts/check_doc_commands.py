@@ -133,7 +133,7 @@ def check(kind: str, script: Path | None, argv: list[str]) -> str | None:
         return None  # shell variables: the values are not known here
     for i, a in enumerate(argv):
         if a.startswith(REPO_DIRS) and not (i and argv[i - 1] in OUTPUT_FLAGS) and "*" not in a:
-            if not (ROOT / a.split("=", 1)[-1]).exists():
+            if not (ROOT / a.split("?", 1)[0].split("=", 1)[-1]).exists():  # FILE?filters (pair_outcomes.py)
                 return f"{a}: no such file in the repository"
     if kind == "script" and not script.is_file():
         return f"{script.relative_to(ROOT)}: no such script"

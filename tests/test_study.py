@@ -252,3 +252,36 @@ def test_study_section_replaces_only_the_marked_part(tmp_path):
                                  f"\ndos\n<!-- study:end two -->\n{STUDY_BEGIN}\n3\n{STUDY_END}\n")
     with pytest.raises(DlmError, match="no '<!-- study:begin three -->'"):
         write_study_section(named, ["x"], name="three")
+
+
+def test_pair_outcomes_pairs_a_samples_file_with_a_table_cell(tmp_path):
+    """benchmarks/pair_outcomes.py: outcomes picked by filters from a samples JSONL and from a table's cell are
+    compared problem by problem exactly as dlm.evaluation.stats.compare does; unequal problem counts, a filter that
+    picks nothing and one that picks two entries are one-line errors."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from pair_outcomes import pair
+
+    from dlm.errors import DlmError
+    from dlm.evaluation.stats import compare
+
+    a = [1, 1, 0, 1, 0, 1, 1, 0]
+    b = [0, 1, 0, 0, 0, 1, 0, 0]
+    samples = tmp_path / "s.jsonl"
+    samples.write_text("".join(json.dumps({"model": m, "reveal_count": 1, "prompt": f"p{i}", "correct": bool(x)}) + "\n"
+                               for m, xs in (("x", a), ("y", b)) for i, x in enumerate(xs)))
+    table = tmp_path / "t.json"
+    table.write_text(json.dumps({"cells": [{"arm": "mdm", "seed": 0, "eval": "tau=0.9", "correct": b},
+                                           {"arm": "mdm", "seed": 1, "eval": "tau=0.9", "correct": a}]}))
+    r = pair(f"{samples}?model=x&reveal_count=1", f"{table}?arm=mdm&seed=0&eval=tau=0.9")
+    assert r == compare([bool(x) for x in a], [bool(x) for x in b])
+    assert (r["only_a"], r["only_b"]) == (3, 0)
+    with pytest.raises(DlmError, match="no line matches"):
+        pair(f"{samples}?model=z", f"{table}?arm=mdm&seed=0")
+    with pytest.raises(DlmError, match="2 entries"):
+        pair(f"{samples}?model=x", f"{table}?arm=mdm")
+    table.write_text(json.dumps({"rows": [{"model": "m", "correct": [1, 0]}]}))
+    with pytest.raises(DlmError, match="not the same problems"):
+        pair(f"{samples}?model=x", f"{table}?model=m")
