@@ -70,6 +70,9 @@ def test_models_are_paired_problem_by_problem_against_the_first(tmp_path, tiny_t
     def outcomes(model, u):
         return [x["correct"] for x in lines if x["model"] == str(model) and x.get("reveal_count") == u]
 
+    for row in result["rows"]:  # each row keeps its outcomes, in the data's order, as the samples file has them
+        assert row["correct"] == [int(x) for x in outcomes(row["model"], row.get("reveal_count"))
+                                  or [x["correct"] for x in lines if x["model"] == row["model"]]]
     paired = {(c["model"], c["value"], c["baseline_value"]): c for c in result["paired"]}
     assert set(paired) == {(str(paths[1]), 1, 1), (str(paths[1]), 4, 4), (str(paths[2]), None, 1),
                            (str(paths[2]), None, 4)}

@@ -42,8 +42,9 @@ def run_sweep(models: Sequence[str | Path], data: str | Path | None = None, opti
     another family than the swept option's gives a single row. Every model is loaded and run at `dtype` (e.g.
     "bfloat16"; default float32), recorded in the result. `task`: tinymath (default data: the first model's test
     split) or humaneval (pass@k for each k in `ks`). `samples`: every problem's prompt, generation, NFE and grade of
-    every row, as jsonl (the returned table is the same with or without it). `paired`: each model against the first,
-    problem by problem (`paired_rows`; one sample per problem only)."""
+    every row, as jsonl (the returned table is the same with or without it). With one sample per problem each row
+    keeps its per-problem outcomes (`correct`, 0/1 in the data's order), and `paired` compares each model with the
+    first, problem by problem (`paired_rows`)."""
     name, values = parse_sweep(sweep, options)
     records, source = load_task(task, data, models[0] if models else None, n)
     max_new_tokens = max_new_tokens or default_max_new_tokens(task)
@@ -65,6 +66,8 @@ def run_sweep(models: Sequence[str | Path], data: str | Path | None = None, opti
             rows.append({"model": str(path), "family": family, **setting, **{k: r[k] for k in keys}})
             graded = all("correct" in x for x in r["samples"])
             outcomes.append([bool(x["correct"]) for x in r["samples"]] if graded else None)
+            if graded and samples_per_problem == 1:  # per-problem outcomes, so later comparisons can be paired
+                rows[-1]["correct"] = [int(c) for c in outcomes[-1]]
             lines += [{"model": str(path), "family": family, "task": task, **setting, **s} for s in r["samples"]]
             if progress:
                 shown = ", ".join(f"{k}={v}" for k, v in opts.model_dump().items() if v is not None)
