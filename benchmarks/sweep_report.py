@@ -56,6 +56,29 @@ def report_lines(result: dict, source: str, command: str) -> list[str]:
     return lines
 
 
+MEASURED = ("accuracy", "n", "mean_nfe", "tokens_per_nfe", "wall_s", "ms_per_problem", "correct", "family")
+
+
+def add_outcomes(result: dict, samples: list[dict], source: str) -> int:
+    """Give each row of a table written before `dlm eval` kept per-problem outcomes its `correct` list, from the
+    `--samples` file of the same run: the lines of the row's model and settings, in order. Refused unless every row
+    finds exactly its n lines and their mean is its accuracy. Returns how many rows gained outcomes."""
+    added = 0
+    for row in result["rows"]:
+        if "correct" in row:
+            continue
+        settings = {k: v for k, v in row.items() if k not in MEASURED and not k.startswith("pass@")}
+        lines = [x for x in samples if all(x.get(k) == v for k, v in settings.items())]
+        correct = [int(bool(x["correct"])) for x in lines if "correct" in x]
+        if len(correct) != row["n"] or len(lines) != row["n"] or abs(sum(correct) / row["n"] - row["accuracy"]) > 1e-9:
+            raise DlmError(f"{source}: {len(lines)} lines match the row of {row['model']} "
+                           f"({', '.join(f'{k}={v}' for k, v in settings.items() if k != 'model')}); the table has "
+                           f"n={row['n']} at accuracy {row['accuracy']}: not the samples of this run")
+        row["correct"] = correct
+        added += 1
+    return added
+
+
 def _names(models: list[str]) -> dict[str, str]:
     """Each model's label: its directory name, or its path where two share a name (runs/a/model, runs/b/model)."""
     short = {m: Path(m).name for m in models}
@@ -77,6 +100,8 @@ def main(argv=None) -> None:
     ap.add_argument("json", help="a `dlm eval --sweep ... --out` table")
     ap.add_argument("--doc", required=True, help="the results doc with the named markers")
     ap.add_argument("--name", required=True, help="the markers' name: <!-- study:begin NAME -->")
+    ap.add_argument("--outcomes-from", metavar="SAMPLES", help="first add each row's per-problem outcomes to the JSON "
+                    "from the run's --samples file (tables written before dlm eval kept them)")
     args = ap.parse_args(argv)
     try:
         try:
@@ -85,6 +110,15 @@ def main(argv=None) -> None:
             raise DlmError(f"{args.json}: not a readable sweep table ({e})") from None
         if not isinstance(result, dict) or "rows" not in result:
             raise DlmError(f"{args.json}: no 'rows': not a `dlm eval --out` table")
+        if args.outcomes_from:
+            try:
+                samples = [json.loads(x) for x in Path(args.outcomes_from).read_text().splitlines() if x.strip()]
+            except (OSError, json.JSONDecodeError) as e:
+                raise DlmError(f"{args.outcomes_from}: not a readable samples file ({e})") from None
+            if add_outcomes(result, samples, args.outcomes_from):
+                tmp = Path(args.json).with_suffix(".json.tmp")
+                tmp.write_text(json.dumps(result, indent=1) + "\n")
+                tmp.replace(args.json)
         command = f"python benchmarks/sweep_report.py {args.json} --doc {args.doc} --name {args.name}"
         try:
             lines = report_lines(result, args.json, command)

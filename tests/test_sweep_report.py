@@ -58,3 +58,25 @@ def test_a_file_that_is_not_a_sweep_table_is_one_line(tmp_path, content):
     bad.write_text(json.dumps(content))
     with pytest.raises(SystemExit, match=r"bad.json: no 'rows'|bad.json: not a `dlm eval --out` table"):
         sweep_report.main([str(bad), "--doc", str(tmp_path / "d.md"), "--name", "x"])
+
+
+def test_outcomes_from_a_samples_file_fill_each_row_or_are_refused(tmp_path):
+    """--outcomes-from: each row gains the per-problem outcomes of its model and settings from the run's samples
+    file, in order, and the JSON is rewritten; samples that do not add up to a row's n and accuracy are refused."""
+    a, b = [1, 0, 1, 1], [0, 0, 1, 0]
+    rows = [{"model": "m", "family": "masked", "reveal_count": u, "accuracy": sum(o) / 4, "n": 4, "mean_nfe": 2.0}
+            for u, o in ((1, a), (16, b))]
+    table = tmp_path / "t.json"
+    table.write_text(json.dumps({"task": "tinymath", "n": 4, "sweep": "u=1,16", "rows": rows, "paired": []}))
+    samples = tmp_path / "s.jsonl"
+    samples.write_text("".join(json.dumps({"model": "m", "family": "masked", "reveal_count": u, "prompt": str(i),
+                                           "correct": bool(x)}) + "\n" for u, o in ((1, a), (16, b))
+                               for i, x in enumerate(o)))
+    doc = tmp_path / "doc.md"
+    doc.write_text("<!-- study:begin x -->\n<!-- study:end x -->\n")
+    sweep_report.main([str(table), "--doc", str(doc), "--name", "x", "--outcomes-from", str(samples)])
+    assert [r["correct"] for r in json.loads(table.read_text())["rows"]] == [a, b]
+    rows[1]["accuracy"] = 0.5  # not this run's samples
+    table.write_text(json.dumps({"task": "tinymath", "n": 4, "sweep": "u=1,16", "rows": rows, "paired": []}))
+    with pytest.raises(SystemExit, match="not the samples of this run"):
+        sweep_report.main([str(table), "--doc", str(doc), "--name", "x", "--outcomes-from", str(samples)])
