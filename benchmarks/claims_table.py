@@ -467,18 +467,21 @@ def plan_progress(results: Path, plans: Path) -> list[dict]:
 def lost_starts(plan: Plan, table: StudyTable | None, plans: Path) -> list[str]:
     """The shared models a plan's table pins whose weights are not kept in the repository
     (benchmarks/starts/starts.json beside `plans`): rebuilt elsewhere they differ, so its missing cells cannot run."""
-    manifest = plans.parent / "starts" / "starts.json"
-    saved = {e["fingerprint"] for e in json.loads(manifest.read_text()).values()} if manifest.is_file() else set()
+    saved = _kept_starts(plans)
     return [n for n in _shared_starts(plan) if table is not None and n in table.pins and table.pins[n] not in saved]
+
+
+def _kept_starts(plans: Path) -> dict[str, str]:
+    """{fingerprint: name} of the starts in the manifest benchmarks/starts/starts.json beside `plans`."""
+    manifest = plans.parent / "starts" / "starts.json"
+    return {e["fingerprint"]: n for n, e in json.loads(manifest.read_text()).items()} if manifest.is_file() else {}
 
 
 def absent_starts(plan: Plan, table: StudyTable | None, plans: Path) -> list[str]:
     """The kept starts a plan's table pins whose weights are not on this machine: the manifest is in git, the
     weights are not (they stay under benchmarks/starts/ on the machine that saved them), so the plan's missing cells
     wait for them to be copied here. Not frozen: another machine can still continue the plan."""
-    store = plans.parent / "starts"
-    manifest = store / "starts.json"
-    kept = {e["fingerprint"]: n for n, e in json.loads(manifest.read_text()).items()} if manifest.is_file() else {}
+    store, kept = plans.parent / "starts", _kept_starts(plans)
     return [n for n in _shared_starts(plan) if table is not None and table.pins.get(n) in kept
             and not any((store / kept[table.pins[n]] / "model").glob("*.safetensors"))]
 
