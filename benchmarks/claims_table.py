@@ -66,7 +66,7 @@ class ClaimsError(DlmError):
 # -- reading claims.yaml ---------------------------------------------------------------------------------------------
 _FIELDS = {"id", "paper", "section", "statement", "paper_number", "readme", "evidence"}
 _REQUIRED = ("id", "paper", "section", "statement", "paper_number", "evidence")
-_STUDY = {"plan", "arm_a", "arm_b", "eval", "eval_b", "expect", "margin", "json", "note", "at_most"}
+_STUDY = {"plan", "arm_a", "arm_b", "eval", "eval_b", "expect", "margin", "json", "note", "at_most", "also"}
 _LEGACY = {"doc", "number", "n", "seeds", "ci", "verdict", "note", "check"}
 _CHECK = {"json", "path", "value", "tol"}
 
@@ -158,6 +158,13 @@ def _check_claim(claim, where: str) -> None:
                               f"expect: {expect}, got {margin!r}")
         if expect in ("higher", "lower") and margin is not None:
             raise ClaimsError(f"{where}: field 'evidence.study.margin' only applies to expect: not_lower or within")
+        also = s.get("also")
+        if also is not None:  # a number the comparison does not compute (a speed ratio), quoted and read back
+            if not (isinstance(also, dict) and set(also) == {"number", "check"} and isinstance(also["number"], str)
+                    and also["number"].strip() and isinstance(also["check"], list) and also["check"]):
+                raise ClaimsError(f"{where}: field 'evidence.study.also' must be a mapping with a number (text) and a "
+                                  f"non-empty check list that reads it back from its JSON, got {also!r}")
+            _check_entries(also["check"], where, "evidence.study.also.check")
         if "at_most" in s and (s["at_most"] != "partly" or not s.get("note")):
             raise ClaimsError(f"{where}: field 'evidence.study.at_most' can only be partly, with a note saying what "
                               f"the comparison leaves unmeasured; got {s['at_most']!r}"
@@ -176,13 +183,18 @@ def _check_claim(claim, where: str) -> None:
         if kind == "reproduced" and not (isinstance(leg["seeds"], int) and leg["seeds"] >= 3 and leg.get("ci")):
             raise ClaimsError(f"{where}: field 'evidence.legacy.verdict' says reproduced, which needs seeds >= 3 and "
                               "a ci; write partly (k seeds) instead")
-        for j, c in enumerate(leg.get("check") or []):
-            if not isinstance(c, dict):
-                raise ClaimsError(f"{where}: field 'evidence.legacy.check[{j}]' must be a mapping json, path, value")
-            _need(c, ("json", "path", "value"), where, f"evidence.legacy.check[{j}].")
-            if set(c) - _CHECK or not isinstance(c["path"], list) or not isinstance(c["value"], (int, float)):
-                raise ClaimsError(f"{where}: field 'evidence.legacy.check[{j}]' must have json, a path list, a "
-                                  f"numeric value and an optional tol, got {c!r}")
+        _check_entries(leg.get("check") or [], where, "evidence.legacy.check")
+
+
+def _check_entries(checks, where: str, field: str) -> None:
+    """Each entry of a `check` list: {json, path: [...], value: number[, tol]}."""
+    for j, c in enumerate(checks):
+        if not isinstance(c, dict):
+            raise ClaimsError(f"{where}: field '{field}[{j}]' must be a mapping json, path, value")
+        _need(c, ("json", "path", "value"), where, f"{field}[{j}].")
+        if set(c) - _CHECK or not isinstance(c["path"], list) or not isinstance(c["value"], (int, float)):
+            raise ClaimsError(f"{where}: field '{field}[{j}]' must have json, a path list, a numeric value and an "
+                              f"optional tol, got {c!r}")
 
 
 def verdict_kind(text) -> str | None:
@@ -306,9 +318,14 @@ def check_legacy(leg: dict, results: Path, where: str) -> None:
     """The doc exists and every `check` value equals its JSON's within tol (default 0.0005)."""
     if not (results / leg["doc"]).is_file():
         raise ClaimsError(f"{where}: field 'evidence.legacy.doc' names {leg['doc']}, which is not in {results}")
+    check_values(leg.get("check") or [], results, where, "evidence.legacy.check")
+
+
+def check_values(checks: list[dict], results: Path, where: str, prefix: str) -> None:
+    """Every check's value equals the number at its path in its JSON (in `results`) within tol (default 0.0005)."""
     cache: dict[str, object] = {}
-    for j, c in enumerate(leg.get("check") or []):
-        field = f"evidence.legacy.check[{j}]"
+    for j, c in enumerate(checks):
+        field = f"{prefix}[{j}]"
         file = results / c["json"]
         if c["json"] not in cache:
             try:
@@ -357,6 +374,9 @@ def build_rows(data: dict, results: Path, plans: Path) -> list[dict]:
         st = study_evidence(ev["study"], results, plans, where) if "study" in ev else None
         if st is not None:
             ref = ev["study"]
+            if ref.get("also"):
+                check_values(ref["also"]["check"], results, where, "evidence.study.also.check")
+            also = f"{' '.join(ref['also']['number'].split())}; " if ref.get("also") else ""
             plan_link = f"[{ref['plan']}]({st['link']})" if st["link"] else ref["plan"]
             status = f"plan {plan_link}: {st['done']}/{st['planned']} seeds" + (
                 " (frozen: its pinned starts are lost)" if st.get("frozen") else "")
@@ -367,7 +387,7 @@ def build_rows(data: dict, results: Path, plans: Path) -> list[dict]:
             if capped:
                 v = "partly"
             row.update(
-                dlm_number=f"{ref['arm_a']} {r['mean_a']:.3f} vs {ref['arm_b']} {r['mean_b']:.3f} "
+                dlm_number=f"{also}{ref['arm_a']} {r['mean_a']:.3f} vs {ref['arm_b']} {r['mean_b']:.3f} "
                            f"({r['difference']:+.3f}), {ref['eval']}",
                 n=str(r["n"]), seeds=f"{st['done']}/{st['planned']}",
                 ci=f"[{r['low']:+.3f}, {r['high']:+.3f}], p = {r['p_value']:#.2g}",
@@ -392,7 +412,7 @@ def build_rows(data: dict, results: Path, plans: Path) -> list[dict]:
                     _pct(r[f"accuracy_{x}"], r[f"sd_{x}"]) + " %"
                     for x, arm in (("a", ref["arm_a"]), ("b", ref["arm_b"])))
             row.update(
-                dlm_number=f"{label_a} {a} vs {label_b} {b}, {100 * r['difference']:+.1f} points"
+                dlm_number=f"{also}{label_a} {a} vs {label_b} {b}, {100 * r['difference']:+.1f} points"
                            + ("" if ref.get("eval_b") else f", {ref['eval']}"),
                 n=str(r["n"]), seeds=f"{st['done']}/{st['planned']}" + (" (frozen)" if st.get("frozen") else "")
                 + (" (fixed weights: its other seeds repeat this measurement)" if st.get("copies") else ""),

@@ -153,6 +153,34 @@ def test_comparisons_listed_as_pairs_count_as_preregistered(tmp_path):
     assert "| **partly** |" in text and "| **not · not pre-registered** |" in text
 
 
+def test_a_study_claim_quotes_a_number_it_does_not_compute_read_back_from_its_json(tmp_path):
+    """`also` (a speed ratio beside a matched-accuracy comparison): shown before the accuracy once the study has a
+    seed, and checked against its JSON whether or not it has; a value that disagrees is one line naming the check."""
+    plans, results, _ = _study(tmp_path)
+    (results / "speed.json").write_text('{"rows": [{"setting": "tau=0.9", "batch_size": 1, '
+                                        '"x_ar_tokens_per_s": {"mean": 8.04, "min": 7.6}}]}')
+    check = "[{json: speed.json, path: [rows, {setting: tau=0.9, batch_size: 1}, x_ar_tokens_per_s, mean], value: X}]"
+    claims = tmp_path / "claims.yaml"
+
+    def run(value, plan="toy"):
+        also = f"also: {{number: '8.0x the AR', check: {check.replace('X', value)}}}"
+        claims.write_text("claims:\n" + _claim("fast", f"study: {{plan: {plan}, arm_a: slightly, arm_b: b, eval: e, "
+                                                        f"expect: not_lower, margin: 2, {also}}}"))
+        _run(claims, results, plans)
+        return {line.split("|")[1].strip(" `"): [c.strip() for c in line.split("|")[1:-1]]
+                for line in (results / "README.md").read_text().splitlines() if line.startswith("| `")}
+
+    rows = run("8.04")
+    assert rows["fast"][3].startswith("8.0x the AR; slightly ") and "+0.5 points, e" in rows["fast"][3]
+    assert rows["fast"][7] == "**reproduced · not pre-registered**"
+    with pytest.raises(ClaimsError) as e:
+        run("8.1")
+    assert "'evidence.study.also.check[0]'" in str(e.value) and "is 8.04, claims.yaml says 8.1" in str(e.value)
+    with pytest.raises(ClaimsError) as e:  # checked before any seed has run too
+        run("8.1", plan="empty")
+    assert "'evidence.study.also.check[0]'" in str(e.value)
+
+
 def test_readme_block_is_replaced_and_links_point_into_docs(tmp_path):
     plans, results, _ = _study(tmp_path)
     (results / "a.md").write_text("doc")
@@ -202,6 +230,10 @@ def test_readme_block_is_replaced_and_links_point_into_docs(tmp_path):
      "'evidence.study.at_most' can only be partly, with a note"),
     (_claim("x", "study: {plan: toy, arm_a: better, arm_b: b, eval: e, at_most: not, note: n}"),
      "'evidence.study.at_most' can only be partly"),
+    (_claim("x", "study: {plan: toy, arm_a: better, arm_b: b, eval: e, also: {number: '2x'}}"),
+     "'evidence.study.also' must be a mapping with a number"),
+    (_claim("x", "study: {plan: toy, arm_a: better, arm_b: b, eval: e, also: {number: '2x', check: [{json: a}]}}"),
+     "'evidence.study.also.check[0].path' is missing"),
 ])
 def test_malformed_claims_give_one_line_naming_the_field(tmp_path, claim, field):
     plans, results, _ = _study(tmp_path)
