@@ -96,7 +96,7 @@ def section(table, plan_path: str, json_path: str, out: str, plot: str | None = 
             continue
         expect, margin = c.get("expect", "higher"), c.get("margin", 0)
         if expect == "not_lower":  # a matches b: not worse by more than `margin` points (VERDICT_RULE)
-            v = seed_verdict(r, expect, margin) + f" (match within {margin:g} points)"
+            v = seed_verdict(r, expect, margin) + f" (match within {margin:g} point{'s' * (margin != 1)})"
         else:
             v = seed_verdict(r) + (" (CI excludes 0)" if r["high"] < 0 else "")
         if r["n_seeds"] + len(r.get("copies", [])) < len(plan.seeds):
