@@ -81,8 +81,11 @@ def summarise(runs: list[dict]) -> dict:
     keyed = []
     for run in runs:
         rows = {}
-        for r in run["rows"]:
-            key = (r["family"] == "autoregressive", describe(r), r["batch_size"])
+        for i, r in enumerate(run["rows"]):
+            try:
+                key = (r["family"] == "autoregressive", describe(r), r["batch_size"])
+            except KeyError as e:
+                raise SpeedError(f"{run['_path']}: rows[{i}] lacks {e} (its setting cannot be named)") from None
             if key in rows:
                 raise SpeedError(f"{run['_path']}: two rows for {key[1]} at batch {key[2]} (two masked models in "
                                  "one run); give one masked model per run")
@@ -98,7 +101,9 @@ def summarise(runs: list[dict]) -> dict:
                "tokens_per_s": [r["tokens_per_s"] for r in rs], "mean_nfe": statistics.fmean(r["mean_nfe"] for r in rs),
                "accuracy": [r["accuracy"] for r in rs]}
         if not key[0]:
-            row["x_ar_tokens_per_s"] = _stats([r["x_ar_tokens_per_s"] for r in rs])
+            # None where a run had no AR row at that batch size, dtype and thread count: no ratio to summarise
+            ratios = [r["x_ar_tokens_per_s"] for r in rs]
+            row["x_ar_tokens_per_s"] = _stats(ratios) if None not in ratios else None
             if all(r.get("x_ar_tokens_per_cpu_s") is not None for r in rs):
                 row["x_ar_tokens_per_cpu_s"] = _stats([r["x_ar_tokens_per_cpu_s"] for r in rs])
             row["only_this"] = [r.get("only_this") for r in rs]
@@ -143,8 +148,9 @@ def markdown(summary: dict, command: str, doc: Path) -> list[str]:
             lines.append(f"| {r['setting']} | {r['batch_size']} | 1 | 1 | {r['mean_nfe']:.1f} | {acc} | – | {tps} |")
             continue
         cpu = _ratio(r["x_ar_tokens_per_cpu_s"]) if "x_ar_tokens_per_cpu_s" in r else "–"
+        ratio = _ratio(r["x_ar_tokens_per_s"]) if r["x_ar_tokens_per_s"] is not None else "–"
         paired = ", ".join(f"+{a} / −{b}" if a is not None else "–" for a, b in zip(r["only_this"], r["only_ar"]))
-        lines.append(f"| {r['setting']} | {r['batch_size']} | {_ratio(r['x_ar_tokens_per_s'])} | {cpu} | "
+        lines.append(f"| {r['setting']} | {r['batch_size']} | {ratio} | {cpu} | "
                      f"{r['mean_nfe']:.1f} | {acc} | {paired} | {tps} |")
     if summary["missing"]:
         lines += ["", "Not in every run (left out): " + "; ".join(summary["missing"]) + "."]

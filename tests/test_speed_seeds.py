@@ -76,17 +76,31 @@ def test_a_setting_missing_from_one_run_is_left_out_and_named(tmp_path):
     assert summary["missing"] == ["AR (KV cache), 1 thr at batch 16", "tau=0.9, block 32, cache kv, 1 thr at batch 16"]
 
 
+def test_a_setting_without_an_ar_ratio_is_listed_without_one(tmp_path):
+    runs = [_run(s, {1: 200.0, 16: 1000.0}, {1: 1600.0, 16: 3000.0}) for s in (0, 1)]
+    runs[1]["rows"][3]["x_ar_tokens_per_s"] = None  # the block row at batch 16 of run 1
+    summary = speed_seeds.summarise([speed_seeds.load_run(_write(tmp_path, f"r{i}", r)) for i, r in enumerate(runs)])
+    rows = {(r["setting"], r["batch_size"]): r for r in summary["rows"]}
+    assert rows[("tau=0.9, block 32, cache kv, 1 thr", 16)]["x_ar_tokens_per_s"] is None
+    assert rows[("tau=0.9, block 32, cache kv, 1 thr", 1)]["x_ar_tokens_per_s"]["mean"] == pytest.approx(8.0)
+    text = "\n".join(speed_seeds.markdown(summary, "cmd", tmp_path / "d.md"))
+    assert "| tau=0.9, block 32, cache kv, 1 thr | 16 | – | 2.70 ± 0.00 (2.70–2.70) |" in text
+
+
 def test_runs_of_different_measurements_or_files_that_are_not_results_are_one_line(tmp_path, capsys):
     good = _write(tmp_path, "good.json", _run(0, {1: 200.0, 16: 1000.0}, {1: 1600.0, 16: 3000.0}))
     other_n = _write(tmp_path, "other.json", _run(1, {1: 200.0, 16: 1000.0}, {1: 1600.0, 16: 3000.0}, n=20))
     two_ars = _run(2, {1: 200.0, 16: 1000.0}, {1: 1600.0, 16: 3000.0})
     two_ars["rows"][0]["model"] = "runs/else/ar"
+    nameless = _run(3, {1: 200.0, 16: 1000.0}, {1: 1600.0, 16: 3000.0})
+    del nameless["rows"][1]["policy"]
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     doc = str(tmp_path / "d.md")
     for argv, needle in (([good, other_n], f"{other_n}: n = 20, but {good} has 10"),
                          ([good, _write(tmp_path, "two.json", two_ars)], "needs exactly one AR model"),
                          ([good, str(bad)], f"{bad}: not valid JSON"),
+                         ([good, _write(tmp_path, "nameless.json", nameless)], "rows[1] lacks 'policy'"),
                          ([str(tmp_path / "absent.json")], "absent.json: not found")):
         with pytest.raises(SystemExit) as e:
             speed_seeds.main([*argv, "--doc", doc])
