@@ -83,8 +83,12 @@ def run_lane(commands: list[tuple[list[str], float | None]], until: str, min_min
     """Run `commands` in order until fewer than `min_minutes` are left, skipping one whose own min_minutes do not
     fit; returns the first nonzero exit status, or 0."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    deadline = None  # resolved once: a command that ends past `until` must not see it as tomorrow's
     for argv, need in commands:
-        left = minutes_until(until, clock())
+        now = clock()
+        if deadline is None:
+            deadline = now + datetime.timedelta(minutes=minutes_until(until, now))
+        left = (deadline - now).total_seconds() / 60
         if left < min_minutes:
             print(f"queue: {left:.0f} min left (< --min-minutes {min_minutes:g}); stopping before "
                   f"{shlex.join(argv)}", flush=True)

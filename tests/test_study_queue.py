@@ -46,6 +46,17 @@ def test_a_lane_gives_each_command_the_minutes_left_skips_what_cannot_fit_and_st
                       clock=lambda: day.replace(hour=6)) == 3
 
 
+def test_a_command_that_ends_past_the_deadline_stops_the_lane_instead_of_wrapping_to_tomorrow():
+    """--until is resolved once, when the lane starts: a command that overruns it (a cell that began in time) leaves
+    no minutes, not the 24 hours until that time tomorrow."""
+    day = datetime.datetime(2026, 12, 5)
+    commands = [(["block_study.py", "--seeds", "0"], None), (["block_study.py", "--seeds", "1"], None)]
+    ran = []
+    clock = _clock([day.replace(hour=18), day.replace(hour=18), day.replace(hour=18, minute=48, second=30)])
+    assert q.run_lane(commands, "18:48", 15, runner=lambda argv, **k: ran.append(argv) or 0, clock=clock) == 0
+    assert len(ran) == 1 and ran[0][-2:] == ["--max-minutes", "48"]
+
+
 def test_bad_queue_entries_are_one_line_naming_the_entry(tmp_path, capsys):
     queue = tmp_path / "study_queue.yaml"
     for body, message in (("lanes:\n  A:\n    - rm -rf runs\n", "lanes.A[0] 'rm -rf runs' must start with a script"),
