@@ -485,10 +485,16 @@ def plan_progress(results: Path, plans: Path) -> list[dict]:
 
 
 def lost_starts(plan: Plan, table: StudyTable | None, plans: Path) -> list[str]:
-    """The shared models a plan's table pins whose weights are not kept in the repository
-    (benchmarks/starts/starts.json beside `plans`): rebuilt elsewhere they differ, so its missing cells cannot run."""
+    """The shared models that the seeds with missing cells are pinned to and whose weights are not kept in the
+    repository (benchmarks/starts/starts.json beside `plans`): rebuilt elsewhere they differ, so those cells cannot
+    run unless the seeds are restarted (pumba_study.py --restart-seeds)."""
     saved = _kept_starts(plans)
-    return [n for n in _shared_starts(plan) if table is not None and n in table.pins and table.pins[n] not in saved]
+    return [n for n in _shared_starts(plan) if table is not None
+            and any(table.pinned(n, s) not in (None, *saved) for s in _unfinished_seeds(plan, table))]
+
+
+def _unfinished_seeds(plan: Plan, table: StudyTable) -> list[int]:
+    return list(dict.fromkeys(seed for _, seed, _ in table.missing()))
 
 
 def _kept_starts(plans: Path) -> dict[str, str]:
@@ -502,8 +508,10 @@ def absent_starts(plan: Plan, table: StudyTable | None, plans: Path) -> list[str
     weights are not (they stay under benchmarks/starts/ on the machine that saved them), so the plan's missing cells
     wait for them to be copied here. Not frozen: another machine can still continue the plan."""
     store, kept = plans.parent / "starts", _kept_starts(plans)
-    return [n for n in _shared_starts(plan) if table is not None and table.pins.get(n) in kept
-            and not any((store / kept[table.pins[n]] / "model").glob("*.safetensors"))]
+    pinned = {n: {table.pinned(n, s) for s in _unfinished_seeds(plan, table)} for n in _shared_starts(plan)
+              } if table is not None else {}
+    return [n for n, values in pinned.items() if any(v in kept and not any((store / kept[v] / "model").glob(
+        "*.safetensors")) for v in values)]
 
 
 def _shared_starts(plan: Plan) -> list[str]:
@@ -594,7 +602,7 @@ def _to_go_text(p: dict) -> str:
         return "stopped (its plan's header says why); the missing cells will not run"
     if p.get("lost"):
         return (f"frozen: its pinned {', '.join(p['lost'])} weights are lost (not in benchmarks/starts/); the "
-                "missing cells cannot run against them")
+                "missing cells cannot run against them (--restart-seeds runs their seeds again from rebuilt starts)")
     if p.get("absent"):  # kept, but on another machine: says what to fetch before the estimate
         names = ", ".join(p["absent"])
         return (f"waits for its kept {names} weights, which are not on this machine (not in git; copy "

@@ -9,10 +9,13 @@ one is there) and then runs every missing evaluation of that (arm, seed), adding
 table (--json, default docs/results/<plan>.json): per-problem outcomes, NFE, training seconds, updates, denoiser
 passes and the model's fingerprint. The table refuses cells from a changed plan and starts (warm start, AR parent)
 whose weights differ from the pinned ones, so a study spans sessions: rebuild the starts with the plan's commands,
-rerun the same command, and it continues where the committed table stopped. Nothing on the command line changes what
-a cell means: updates, learning rates, problems and decoding all come from the plan. --reuse names other plans'
-tables whose cells are the same training runs (same resolved recipe, start weights, seed, problems and decoding):
-those cells are taken over, marked copied_from, instead of trained and evaluated again.
+rerun the same command, and it continues where the committed table stopped. Where a start's weights were lost (a
+rebuild gives other bits), --restart-seeds S runs seed S again from the rebuilt start: all of the seed's earlier cells
+are retired (kept in the table, out of the results) and the seed pins the new weights, so every seed's cells continue
+one set of starts. Nothing on the command line changes what a cell means: updates, learning rates, problems and
+decoding all come from the plan. --reuse names other plans' tables whose cells are the same training runs (same
+resolved recipe, start weights, seed, problems and decoding): those cells are taken over, marked copied_from, instead
+of trained and evaluated again.
 
 Plan settings read here:
   starts:     {name: {path, commands}}: saved models arms start from or evaluate; each is fingerprinted and pinned
@@ -268,7 +271,8 @@ class Donors:
         return self._donor_arms(arm)
 
     def _donor_arms(self, arm: str) -> list:
-        """(donor plan, donor table, donor arm) that are the same training run as `arm`."""
+        """(donor plan, donor table, donor arm, its start) that are the same training run as `arm` (whether a seed
+        continued the same start's weights is checked per seed, in `cell`: a seed may have been restarted)."""
         if arm not in self._arms:
             found, spec = [], self.plan.settings["arm_specs"][arm]
             if "recipe" in spec:
@@ -279,20 +283,20 @@ class Donors:
                     for d, dspec in donor_plan.settings.get("arm_specs", {}).items():
                         if "recipe" not in dspec or dspec.get("updates") != spec["updates"]:
                             continue
-                        if donor.pins.get(dspec["init"]) != self.table.pins.get(spec["init"]):
-                            continue  # another start's weights
                         if neutral_recipe(donor_plan, d) != mine:
                             continue
                         digest = recipe_digest(donor_plan, d)
                         if any(c.get("recipe") != digest for c in donor.cells if c["arm"] == d):
                             continue  # the donor's recipe files changed since its cells
-                        found.append((donor_plan, donor, d))
+                        found.append((donor_plan, donor, d, dspec["init"]))
             self._arms[arm] = found
         return self._arms[arm]
 
     def cell(self, arm: str, seed: int, key: str, problems: str) -> tuple[dict, str] | None:
         """The donor cell for (arm, seed, key) and the table it came from, or None."""
-        for donor_plan, donor, d in self._donor_arms(arm):
+        for donor_plan, donor, d, dinit in self._donor_arms(arm):
+            if donor.pinned(dinit, seed) != self.table.pinned(self.plan.settings["arm_specs"][arm]["init"], seed):
+                continue  # another start's weights in this seed
             c = donor.cell(d, seed, key)
             if c is None or c["problems"] != problems:
                 continue
@@ -306,8 +310,34 @@ class Donors:
 
 
 # ---- the driver -------------------------------------------------------------------------------------------------
+def pin_starts(table, weights: dict, seeds, restart_seeds=None) -> None:
+    """Check the starts' weights against what each seed to run is pinned to (the first run pins them). A seed in
+    `restart_seeds` whose starts changed (lost and rebuilt: other bits) is run again from these: `StudyTable.restart`
+    retires its cells so far."""
+    from dlm.evaluation.study import StudyError
+
+    for seed in restart_seeds or ():
+        changed = {n: (table.pinned(n, seed), v) for n, v in weights.items() if table.pinned(n, seed) not in (None, v)}
+        if changed:
+            reason = (f"seed {seed} restarted on {time.strftime('%Y-%m-%d')}: its starts were rebuilt with other "
+                      "bits (" + ", ".join(f"{n} {a} -> {b}" for n, (a, b) in changed.items()) + ")")
+            gone = table.restart(seed, weights, reason)
+            print(f"{reason}; {len(gone)} cells of seed {seed} retired (kept under 'retired' in {table.path})",
+                  flush=True)
+    for name, value in weights.items():
+        for seed in seeds:
+            pinned = table.pinned(name, seed)
+            if pinned is None:
+                table.pin(name, value)
+            elif pinned != value:
+                raise StudyError(f"{table.path}: seed {seed}'s cells came from {name} {pinned} but this run has "
+                                 f"{value}; new cells would not be comparable. If that start was lost and rebuilt, "
+                                 f"--restart-seeds {seed} runs the seed again from the rebuilt one (its cells so far "
+                                 "are retired)")
+
+
 def run(plan_path, json_path=None, runs=None, seeds=None, max_minutes=None, arms=None, evals=None,
-        reuse=None, take_only=None) -> dict:
+        reuse=None, take_only=None, restart_seeds=None) -> dict:
     """Carry out a plan (see the module docstring); returns {'cells': added, 'stopped': bool, 'waiting': [...]}."""
     from dlm.evaluation.study import Plan, StudyError, StudyTable, fingerprint, problems_digest, subset
     from dlm.modeling.backbone import resolve_model_dir
@@ -325,13 +355,15 @@ def run(plan_path, json_path=None, runs=None, seeds=None, max_minutes=None, arms
     if set(take_only) - set(plan.arms):
         raise StudyError(f"--take-only {sorted(set(take_only) - set(plan.arms))} not in the plan's arms "
                          f"{list(plan.arms)}")
+    weights = {}
     for name in dict.fromkeys(spec.get("init") or spec.get("model") for spec in specs.values()
                               if spec.get("init") or spec.get("model")):
         path = start_path(plan, name)
         if not path.is_dir():
             raise StudyError(f"{path}: start '{name}' not found; build it with the commands under settings.starts."
                              f"{name} in {plan.source}")
-        table.pin(name, fingerprint(resolve_model_dir(path)))
+        weights[name] = fingerprint(resolve_model_dir(path))
+    pin_starts(table, weights, order, restart_seeds)
     donors = Donors(plan, table, reuse)
     never = [arm for arm in take_only if not donors.arms_like(arm)]
     if never:  # its cells could never arrive: say so now, not "not yet" in every session
@@ -428,6 +460,9 @@ def main(argv=None, description: str = __doc__, default_plan: str = "benchmarks/
                     "evaluation) is taken over instead of trained and evaluated again, marked copied_from")
     ap.add_argument("--take-only", help="comma-separated arms whose cells are only taken over from --reuse tables, "
                     "never trained here (another plan trains them): a cell no donor has yet is left missing")
+    ap.add_argument("--restart-seeds", help="comma-separated seeds to run again from starts rebuilt since the table "
+                    "pinned them (the pinned weights were lost; a rebuild gives other bits): each such seed's cells so "
+                    "far are retired, kept in the table's 'retired' list, and the seed pins the rebuilt starts")
     args = ap.parse_args(argv)
     from dlm.errors import DlmError
 
@@ -437,7 +472,8 @@ def main(argv=None, description: str = __doc__, default_plan: str = "benchmarks/
         run(args.plan, args.json, args.runs, [int(x) for x in args.seeds.split(",")] if args.seeds else None,
             args.max_minutes, args.arms.split(",") if args.arms else None,
             args.evals.split(",") if args.evals else None, args.reuse.split(",") if args.reuse else None,
-            args.take_only.split(",") if args.take_only else None)
+            args.take_only.split(",") if args.take_only else None,
+            [int(x) for x in args.restart_seeds.split(",")] if args.restart_seeds else None)
     except DlmError as e:
         sys.exit(f"error: {e}")
 

@@ -36,6 +36,19 @@ def _arm_cells(table, arm: str) -> dict[int, dict]:
     return out
 
 
+def _retired(table) -> list[str]:
+    """One paragraph per restarted seed: why, and what its retired cells (out of every number below) measured."""
+    lines = []
+    for seed in dict.fromkeys(c["seed"] for c in table.retired):
+        cells = [c for c in table.retired if c["seed"] == seed]
+        key = cells[0]["eval"]
+        shown = ", ".join(f"{c['arm']} {_pct(c['accuracy'])}" for c in cells if c["eval"] == key and "accuracy" in c)
+        lines += [f"Seed {seed} was run again: {cells[0]['retired']}. Its {len(cells)} earlier cells are retired "
+                  f"(kept under `retired` in the table, out of every number below); at {key} they scored {shown}.",
+                  ""]
+    return lines
+
+
 def section(table, plan_path: str, json_path: str, out: str, plot: str | None = None) -> str:
     """The generated markdown between the markers."""
     from dlm.evaluation.stats import format_seed_comparison, seed_verdict
@@ -51,6 +64,7 @@ def section(table, plan_path: str, json_path: str, out: str, plot: str | None = 
               f"{datetime.date.today().isoformat()}. Seeds complete: "
               f"{', '.join(map(str, done)) or 'none'} of {', '.join(map(str, plan.seeds))}. Pinned starts: {pins}.",
               ""]
+    lines += _retired(table)
     n = {k: next((c["n"] for c in table.cells if c["eval"] == k), None) for k in plan.evals}
     lines += ["Accuracy (%), mean ± sd over seeds, per-seed values in brackets (seed order "
               f"{', '.join(map(str, plan.seeds))}); n = problems per evaluation. A fixed start (the same weights "

@@ -75,6 +75,33 @@ def test_table_resumes_refuses_other_plans_and_unplanned_cells(tmp_path):
         StudyTable(path, _plan(tmp_path, PLAN.replace("steps: 200", "steps: 400")))
 
 
+def test_restart_retires_one_seeds_cells_and_pins_its_own_starts(tmp_path):
+    """A seed restarted from rebuilt starts keeps nothing of its old cells in the table's results (they move to
+    'retired', with the reason, on disk too), pins its own starts, and leaves every other seed as it was."""
+    plan = _plan(tmp_path)
+    t = StudyTable(tmp_path / "t.json", plan)
+    t.pin("warm_start", "old")
+    for s in (0, 1):
+        t.add("mdm", s, "u=2", _result([1, 0, 1, 1]), problems="p", model=f"m{s}")
+    t.add("w2", 1, "u=2", _result([1, 1, 1, 1]), problems="p")
+    stale = StudyTable(tmp_path / "t.json", plan)  # another driver, opened before the restart
+    gone = t.restart(1, {"warm_start": "new"}, "lost")
+    assert [(c["arm"], c["seed"]) for c in gone] == [("mdm", 1), ("w2", 1)]
+    again = StudyTable(tmp_path / "t.json", plan)
+    assert again.has("mdm", 0, "u=2") and not again.has("mdm", 1, "u=2") and not again.has("w2", 1, "u=2")
+    assert [(c["arm"], c["seed"], c["retired"]) for c in again.retired] == [("mdm", 1, "lost"), ("w2", 1, "lost")]
+    assert again.pinned("warm_start", 1) == "new" and again.pinned("warm_start", 0) == "old"
+    assert again.pinned("warm_start") == "old" and again.pinned("absent", 1) is None
+    assert again.summary("w2", "u=2")["seeds"] == [] and ("w2", 1, "u=2") in set(again.missing())
+    again.add("mdm", 1, "u=2", _result([0, 0, 0, 1]), problems="p", model="m1-new")  # the seed runs again
+    stale.add("w2", 0, "u=2", _result([0, 1, 1, 1]), problems="p")  # it writes without bringing seed 1's back
+    final = StudyTable(tmp_path / "t.json", plan)
+    assert final.cell("mdm", 1, "u=2")["model"] == "m1-new" and not final.has("w2", 1, "u=2")
+    assert len(final.retired) == 2 and final.has("w2", 0, "u=2")
+    with pytest.raises(StudyError, match="seed 7 is not in the plan's seeds"):
+        final.restart(7, {"warm_start": "new"}, "lost")
+
+
 def test_add_copy_takes_over_outcomes_and_only_the_named_fields(tmp_path):
     """A cell copied from one that made the same measurement has its outcomes, NFE and time per problem, the
     fields `keep` names (where the source has them), the caller's fields over those, and where it came from; a copy

@@ -233,6 +233,8 @@ def test_pumba_study_smoke_run_resumes_and_refuses_a_changed_plan(tmp_path, monk
     assert donors.cell("mdm", 0, "u=4", "another-digest") is None  # other problems
     b.pins["warm_start"] = "0" * 16
     assert pumba_study.Donors(Plan.load(other_path), b, [table_path]).cell("mdm", 0, "u=4", cell["problems"]) is None
+    b.pins["warm_start/seed0"] = table.pins["warm_start"]  # a seed restarted on the donor's start: its cells match
+    assert pumba_study.Donors(Plan.load(other_path), b, [table_path]).cell("mdm", 0, "u=4", cell["problems"])
     with pytest.raises(StudyError, match="not this plan's own"):
         pumba_study.Donors(Plan.load(plan), table, [table_path])
 
@@ -253,6 +255,25 @@ def test_pumba_study_smoke_run_resumes_and_refuses_a_changed_plan(tmp_path, monk
         pumba_study.run(plan, table_path, runs, arms=["w1", "w9"])
     with pytest.raises(StudyError, match="only orders or limits"):
         pumba_study.run(plan, table_path, runs, evals=["u=4", "u=9"])
+
+
+def test_pin_starts_refuses_rebuilt_starts_unless_the_seed_is_restarted(tmp_path, capsys):
+    """A start rebuilt with other bits is refused for a seed that has cells from the old one, naming the way out;
+    --restart-seeds retires that seed's cells (no other seed's) and runs it from the rebuilt start, once."""
+    import pumba_study
+
+    plan = Plan.load(_smoke_plan(tmp_path, tmp_path / "warm", tmp_path / "data"))
+    t = StudyTable(tmp_path / "t.json", plan)
+    pumba_study.pin_starts(t, {"warm_start": "old"}, [0])
+    t.add("mdm", 0, "u=4", {"samples": [{"correct": 1}]}, problems="p")
+    with pytest.raises(StudyError, match="seed 0's cells came from warm_start old .* --restart-seeds 0"):
+        pumba_study.pin_starts(t, {"warm_start": "new"}, [0])
+    pumba_study.pin_starts(t, {"warm_start": "new"}, [0], restart_seeds=[0])
+    assert "seed 0 restarted" in capsys.readouterr().out and "warm_start old -> new" in t.retired[0]["retired"]
+    assert not t.has("mdm", 0, "u=4") and t.pinned("warm_start", 0) == "new" and t.pins["warm_start"] == "old"
+    t.add("mdm", 0, "u=4", {"samples": [{"correct": 0}]}, problems="p")
+    pumba_study.pin_starts(t, {"warm_start": "new"}, [0], restart_seeds=[0])  # the same starts: nothing retired
+    assert t.has("mdm", 0, "u=4") and len(t.retired) == 1
 
 
 REPORT_PLAN = """name: synthetic
@@ -333,6 +354,22 @@ def test_study_report_writes_the_marked_section_from_a_synthetic_table(tmp_path)
                        str(tmp_path / "new" / "doc.md"), "--plot", str(tmp_path / "pics" / "p.png")])
     moved = (tmp_path / "new" / "doc.md").read_text()
     assert "](../pics/p.png)" in moved and "](../synthetic.json)" in moved and "](../synthetic.yaml)" in moved
+
+
+def test_study_report_names_a_restarted_seeds_retired_cells(tmp_path):
+    import study_report
+
+    plan_path = tmp_path / "synthetic.yaml"
+    plan_path.write_text(REPORT_PLAN)
+    table = StudyTable(tmp_path / "synthetic.json", Plan.load(plan_path))
+    for arm, correct in (("a", [1, 1, 1, 0]), ("b", [1, 0, 1, 0])):
+        for seed in (0, 1):
+            table.add(arm, seed, "u=2", {"samples": [{"correct": x} for x in correct]}, problems="p")
+    table.restart(1, {"start": "rebuilt"}, "its start was rebuilt")
+    text = study_report.section(table, str(plan_path), str(tmp_path / "synthetic.json"), str(tmp_path / "d.md"))
+    assert ("Seed 1 was run again: its start was rebuilt. Its 2 earlier cells are retired (kept under `retired` in "
+            "the table, out of every number below); at u=2 they scored a 75.0, b 50.0.") in text
+    assert "| a | – | – | – | 0/3 | 75.0 [75.0] |" in text  # seed 0 alone
 
 
 def test_random_initial_masking_is_refused_where_it_would_do_nothing():

@@ -120,7 +120,8 @@ def problems_digest(records) -> str:
 
 
 class StudyTable:
-    """The JSON table of a plan's cells: {"plan": ..., "plan_digest": ..., "pins": {...}, "cells": [...]}."""
+    """The JSON table of a plan's cells: {"plan": ..., "plan_digest": ..., "pins": {...}, "cells": [...]}, and
+    "retired": [...] where a seed was restarted from rebuilt starts (`restart`)."""
 
     def __init__(self, path: str | Path, plan: Plan):
         self.path, self.plan = Path(path), plan
@@ -135,8 +136,9 @@ class StudyTable:
                     f"this one {plan.digest}); a pre-registered plan cannot change after its first cell: "
                     "write a new table (another --json) for a new plan")
             self.pins, self.cells = data.get("pins", {}), data.get("cells", [])
+            self.retired = data.get("retired", [])
         else:
-            self.pins, self.cells = {}, []
+            self.pins, self.cells, self.retired = {}, [], []
 
     # -- writing ---------------------------------------------------------------------------------------------------
     def pin(self, name: str, value: str) -> None:
@@ -148,6 +150,26 @@ class StudyTable:
                                  f"came from another {name}, so new cells would not be comparable")
             self.pins[name] = value
             self._write()
+
+    def pinned(self, name: str, seed: int | None = None) -> str | None:
+        """What `name` is pinned to in `seed`: the seed's own pin where it was restarted (`restart`), else the
+        table's."""
+        return self.pins.get(f"{name}/seed{seed}", self.pins.get(name))
+
+    def restart(self, seed: int, pins: Mapping[str, str], reason: str) -> list[dict]:
+        """Run one seed again from other starts (its pinned ones were lost and rebuilt, which gives other bits): its
+        cells so far are retired, kept under "retired" with `reason` but out of every summary and comparison, and the
+        seed pins `pins` as its own (`name/seed<s>`), so that every cell of a seed continues one set of starts. The
+        rule is the starts', never the results': all of the seed's cells go. Returns the retired cells."""
+        if seed not in self.plan.seeds:
+            raise StudyError(f"{self.plan.source}: seed {seed} is not in the plan's seeds {list(self.plan.seeds)}")
+        with self._locked():
+            gone = [c for c in self.cells if c["seed"] == seed]
+            self.cells = [c for c in self.cells if c["seed"] != seed]
+            self.retired += [{**c, "retired": reason} for c in gone]
+            self.pins.update({f"{name}/seed{seed}": value for name, value in pins.items()})
+            self._write()
+        return gone
 
     def unpin(self, name: str) -> None:
         """Drop a pin that no cell depends on (the caller checks that): e.g. a model pinned when it was trained, in
@@ -232,9 +254,12 @@ class StudyTable:
                 for name, value in data.get("pins", {}).items():
                     if self.pins.setdefault(name, value) != value:
                         raise StudyError(f"{self.path}: pinned {name} is {value} on disk but {self.pins[name]} here")
-                ours = [c for c in self.cells if not any(c["arm"] == d["arm"] and c["seed"] == d["seed"]
-                                                         and c["eval"] == d["eval"] for d in data.get("cells", []))]
+                gone = [{k: v for k, v in c.items() if k != "retired"} for c in data.get("retired", [])]
+                ours = [c for c in self.cells if c not in gone and not any(
+                    c["arm"] == d["arm"] and c["seed"] == d["seed"] and c["eval"] == d["eval"]
+                    for d in data.get("cells", []))]
                 self.cells = data.get("cells", []) + ours
+                self.retired = data.get("retired", [])
             yield
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
@@ -250,7 +275,8 @@ class StudyTable:
                              f"{list(self.plan.evals)}")
 
     def _write(self) -> None:
-        data = {"plan": self.plan.as_dict(), "plan_digest": self.plan.digest, "pins": self.pins, "cells": self.cells}
+        data = {"plan": self.plan.as_dict(), "plan_digest": self.plan.digest, "pins": self.pins, "cells": self.cells,
+                **({"retired": self.retired} if self.retired else {})}
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.write_text(json.dumps(data, indent=1) + "\n")
