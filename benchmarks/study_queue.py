@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 import shlex
 import subprocess
@@ -96,7 +97,8 @@ def run_lane(commands: list[tuple[list[str], float | None]], until: str, min_min
         if need is not None and left < need:  # its unit of work would not fit: the next command may
             print(f"queue: {left:.0f} min left (< the {need:g} it needs); skipping {shlex.join(argv)}", flush=True)
             continue
-        full = [sys.executable, str(ROOT / "benchmarks" / argv[0]), *argv[1:], "--max-minutes", f"{left:.0f}"]
+        budget = f"{math.floor(left * 10) / 10:g}"  # rounded down: a budget never reaches past the deadline
+        full = [sys.executable, str(ROOT / "benchmarks" / argv[0]), *argv[1:], "--max-minutes", budget]
         print(f"queue [{clock():%H:%M}] {shlex.join(['python', 'benchmarks/' + argv[0], *full[2:]])}", flush=True)
         if dry_run:
             continue

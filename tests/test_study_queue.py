@@ -89,3 +89,12 @@ def test_the_shipped_queue_names_existing_scripts_and_plans_and_no_seed_twice():
             if argv[0] == "block_study.py":  # two lanes must never train one seed of a plan into one run dir
                 assert (plan, seeds) not in seen or seen[(plan, seeds)] == name, shlex.join(argv)
                 seen[(plan, seeds)] = name
+
+
+def test_a_commands_budget_is_rounded_down_never_past_the_deadline():
+    """47 min 40 s left gives --max-minutes 47.6 (rounding to whole minutes gave 48: a training stopped 20 s late)."""
+    day = datetime.datetime(2026, 12, 5)
+    ran = []
+    clock = _clock([day.replace(hour=18, second=20)] * 2)
+    q.run_lane([(["block_study.py"], None)], "18:48", 15, runner=lambda argv, **k: ran.append(argv) or 0, clock=clock)
+    assert ran[0][-2:] == ["--max-minutes", "47.6"]
