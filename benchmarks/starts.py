@@ -6,8 +6,10 @@ machine without them cannot extend a table pinned to them.
 A plan's table pins the weights of every start its arms continue (`dlm.evaluation.study.fingerprint`). runs/ does
 not survive a session, and rebuilding a start with the plan's commands on another machine does not give the same
 bits: on 2026-12-02 the rebuilt AR parent's training loss left the pinned run's at update 40 (2.6164382 against
-2.6164372; equal at update 20), so every table pinned to the lost weights can no longer be extended. A start saved
-here is restored instead of rebuilt:
+2.6164372; equal at update 20), so a table pinned to lost weights cannot be extended as it was: its unfinished seeds
+can only run again from rebuilt starts (pumba_study.py --restart-seeds, which retires their earlier cells). That
+happened on 2026-12-05, when a new session's machine no longer had the weights saved here. A start saved here is
+restored instead of rebuilt, on the machine that saved it:
 
     python benchmarks/starts.py restore                       # every saved start into its runs/ path
     python benchmarks/starts.py save runs/calib-ar-medium     # a start just built: copied in and fingerprinted
