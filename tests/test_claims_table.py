@@ -366,6 +366,20 @@ def test_a_plan_whose_pinned_start_is_not_kept_is_frozen(tmp_path):
     (tmp_path / "starts" / "w" / "model" / "model.safetensors").write_bytes(b"x")
     toy = {p["plan"]: p for p in claims_table.plan_progress(results, plans)}["toy"]
     assert toy["absent"] == [] and not claims_table._to_go_text(toy).startswith("waits")
+    # only the seeds still to run count: seed 2 restarted on a start that is lost too freezes the plan again,
+    # whatever the finished seeds were pinned to
+    table.pins["warm/seed2"] = "rebuilt"
+    table._write()
+    toy = {p["plan"]: p for p in claims_table.plan_progress(results, plans)}["toy"]
+    assert toy["lost"] == ["warm"]
+    (tmp_path / "starts" / "starts.json").write_text(json.dumps({"w": {"path": "runs/w", "fingerprint": "rebuilt"}}))
+    toy = {p["plan"]: p for p in claims_table.plan_progress(results, plans)}["toy"]
+    unfinished = claims_table._unfinished_seeds(table.plan, table)
+    assert 2 in unfinished and toy["lost"] == (["warm"] if set(unfinished) - {2} else [])  # others still on abc
+    table.pins.update({f"warm/seed{s}": "rebuilt" for s in unfinished})
+    table._write()
+    toy = {p["plan"]: p for p in claims_table.plan_progress(results, plans)}["toy"]
+    assert toy["lost"] == [] and toy["absent"] == []  # abc pins only finished seeds now: it may be lost
 
 
 def test_a_measure_table_gets_its_verdict_in_the_claimed_direction(tmp_path):
