@@ -43,9 +43,10 @@ def _retired(table) -> list[str]:
         cells = [c for c in table.retired if c["seed"] == seed]
         key = cells[0]["eval"]
         shown = ", ".join(f"{c['arm']} {_pct(c['accuracy'])}" for c in cells if c["eval"] == key and "accuracy" in c)
-        lines += [f"Seed {seed} was run again: {cells[0]['retired']}. Its {len(cells)} earlier cells are retired "
-                  f"(kept under `retired` in the table, out of every number below); at {key} they scored {shown}.",
-                  ""]
+        why = cells[0]["retired"]
+        lines += [f"**Seed {seed} was run again.** {why[:1].upper() + why[1:]}. Its {len(cells)} earlier cells are "
+                  f"retired (kept under `retired` in the table, out of every number below); at {key} they scored "
+                  f"{shown}.", ""]
     return lines
 
 

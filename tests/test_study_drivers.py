@@ -367,8 +367,8 @@ def test_study_report_names_a_restarted_seeds_retired_cells(tmp_path):
             table.add(arm, seed, "u=2", {"samples": [{"correct": x} for x in correct]}, problems="p")
     table.restart(1, {"start": "rebuilt"}, "its start was rebuilt")
     text = study_report.section(table, str(plan_path), str(tmp_path / "synthetic.json"), str(tmp_path / "d.md"))
-    assert ("Seed 1 was run again: its start was rebuilt. Its 2 earlier cells are retired (kept under `retired` in "
-            "the table, out of every number below); at u=2 they scored a 75.0, b 50.0.") in text
+    assert ("**Seed 1 was run again.** Its start was rebuilt. Its 2 earlier cells are retired (kept under `retired` "
+            "in the table, out of every number below); at u=2 they scored a 75.0, b 50.0.") in text
     assert "| a | – | – | – | 0/3 | 75.0 [75.0] |" in text  # seed 0 alone
 
 
