@@ -50,6 +50,8 @@ def main(path: str) -> None:
         run(job)
         if dist.is_initialized():
             dist.barrier()
+    if dist.is_initialized():  # as `dlm train` does: teardown at interpreter exit once aborted a DeepSpeed rank
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -73,6 +73,16 @@ def _cmd_train(a):
         sys.exit("dlm train: --json goes with --dry-run")
     run_dir = train(recipe, resume=a.resume, progress=not a.no_progress)
     print(f"run: {run_dir}  (model: {run_dir / 'model'}, metrics: {run_dir / 'metrics.jsonl'})")
+    _leave_process_group()
+
+
+def _leave_process_group() -> None:
+    """Close a launched run's process group before exit: PyTorch asks for it, and leaving it to interpreter
+    teardown once aborted a DeepSpeed rank after its work was done ("terminate called without an active exception")."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _cmd_generate(a):
