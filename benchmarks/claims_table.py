@@ -490,10 +490,10 @@ def lost_starts(plan: Plan, table: StudyTable | None, plans: Path) -> list[str]:
     run unless the seeds are restarted (pumba_study.py --restart-seeds)."""
     saved = _kept_starts(plans)
     return [n for n in _shared_starts(plan) if table is not None
-            and any(table.pinned(n, s) not in (None, *saved) for s in _unfinished_seeds(plan, table))]
+            and any(table.pinned(n, s) not in (None, *saved) for s in _unfinished_seeds(table))]
 
 
-def _unfinished_seeds(plan: Plan, table: StudyTable) -> list[int]:
+def _unfinished_seeds(table: StudyTable) -> list[int]:
     return list(dict.fromkeys(seed for _, seed, _ in table.missing()))
 
 
@@ -508,10 +508,10 @@ def absent_starts(plan: Plan, table: StudyTable | None, plans: Path) -> list[str
     weights are not (they stay under benchmarks/starts/ on the machine that saved them), so the plan's missing cells
     wait for them to be copied here. Not frozen: another machine can still continue the plan."""
     store, kept = plans.parent / "starts", _kept_starts(plans)
-    pinned = {n: {table.pinned(n, s) for s in _unfinished_seeds(plan, table)} for n in _shared_starts(plan)
-              } if table is not None else {}
-    return [n for n, values in pinned.items() if any(v in kept and not any((store / kept[v] / "model").glob(
-        "*.safetensors")) for v in values)]
+    if table is None:
+        return []
+    elsewhere = {v for v, name in kept.items() if not any((store / name / "model").glob("*.safetensors"))}
+    return [n for n in _shared_starts(plan) if any(table.pinned(n, s) in elsewhere for s in _unfinished_seeds(table))]
 
 
 def _shared_starts(plan: Plan) -> list[str]:

@@ -317,7 +317,8 @@ def pin_starts(table, weights: dict, seeds, restart_seeds=None) -> None:
     from dlm.evaluation.study import StudyError
 
     for seed in restart_seeds or ():
-        changed = {n: (table.pinned(n, seed), v) for n, v in weights.items() if table.pinned(n, seed) not in (None, v)}
+        pinned = {n: table.pinned(n, seed) for n in weights}
+        changed = {n: (pinned[n], v) for n, v in weights.items() if pinned[n] not in (None, v)}
         if changed:
             reason = (f"seed {seed} restarted on {time.strftime('%Y-%m-%d')}: its starts were rebuilt with other "
                       "bits (" + ", ".join(f"{n} {a} -> {b}" for n, (a, b) in changed.items()) + ")")

@@ -374,7 +374,7 @@ def test_a_plan_whose_pinned_start_is_not_kept_is_frozen(tmp_path):
     assert toy["lost"] == ["warm"]
     (tmp_path / "starts" / "starts.json").write_text(json.dumps({"w": {"path": "runs/w", "fingerprint": "rebuilt"}}))
     toy = {p["plan"]: p for p in claims_table.plan_progress(results, plans)}["toy"]
-    unfinished = claims_table._unfinished_seeds(table.plan, table)
+    unfinished = claims_table._unfinished_seeds(table)
     assert 2 in unfinished and toy["lost"] == (["warm"] if set(unfinished) - {2} else [])  # others still on abc
     table.pins.update({f"warm/seed{s}": "rebuilt" for s in unfinished})
     table._write()
