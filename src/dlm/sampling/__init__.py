@@ -45,56 +45,43 @@ def generate(model, prompts: Sequence[Sequence[int]], options=None, *, max_new_t
                             generator=generator, return_trace=return_trace, trace=trace, **settings)
 
 
-# The precisions a model can be loaded at for decoding (`dlm generate/eval --dtype`).
-DTYPES = ("float32", "bfloat16")
+from dlm.modeling.device import DTYPES, dtype_name  # noqa: E402,F401 (re-exported: what --dtype accepts)
 
 
-def resolve_dtype(dtype):
-    """A torch dtype from a name in DTYPES, a torch dtype, or None (the checkpoint's loader default, float32)."""
-    import torch
-
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
-    return getattr(torch, dtype)
-
-
-def dtype_name(dtype) -> str:
-    """The name in DTYPES of a dtype given to `load_for_inference` (None: float32), as results record it."""
-    return str(resolve_dtype(dtype) or "float32").removeprefix("torch.")
-
-
-def load_for_inference(path, dtype=None):
-    """(model, tokenizer) from a dlm model dir, a run dir or a checkpoint dir (`dlm.modeling.build.load_model`);
-    `dtype` (torch dtype or a name in DTYPES) is the precision of the whole model, dlm's extras included."""
+def load_for_inference(path, dtype="auto", device="auto"):
+    """(model, tokenizer) from a dlm model dir, a run dir or a checkpoint dir (`dlm.modeling.build.load_model`),
+    placed once: on `device` ("auto": CUDA, then MPS, else CPU) at `dtype` ("auto": bfloat16 on a GPU that has it,
+    float32 elsewhere; a name in DTYPES or a torch dtype), dlm's extras included (`dlm.modeling.device`)."""
     from dlm.data.tokenizer import load_tokenizer
     from dlm.modeling.backbone import resolve_model_dir
     from dlm.modeling.build import load_model
+    from dlm.modeling.device import place, resolve_device, resolve_dtype
 
     model_dir = resolve_model_dir(path)
-    return load_model(model_dir, dtype=resolve_dtype(dtype)), load_tokenizer(model_dir)
+    dev = resolve_device(device)  # before loading: an unavailable device is one line, not minutes of loading
+    dt = resolve_dtype(dtype, dev)
+    return place(load_model(model_dir, dtype=dt), dev, dt), load_tokenizer(model_dir)
 
 
 def generate_text(model_path, prompts: Sequence[str], options=None, *, max_new_tokens: int = 128,
                   temperature: float = 0.0, seed: int = 0, show_steps: bool = False, console=None,
-                  dtype=None, truncate_prompts: bool = False) -> list[dict]:
+                  dtype="auto", device="auto", truncate_prompts: bool = False) -> list[dict]:
     """Generate a response for each prompt (rendered with the model's chat template); returns text and NFE. `options`
     as for `generate`, except that options of another family than the model's give its defaults (the CLI's one set of
     flags serves any model). With `show_steps` a masked model's denoising is rendered step by step in the terminal
-    (TESS 2 Fig. 4 style). `dtype` (e.g. "bfloat16") is the precision the model is loaded and run at. A prompt
+    (TESS 2 Fig. 4 style). `device` and `dtype` place the model (`load_for_inference`); the sampling generator lives
+on that device. A prompt
     longer than the model's context is refused, or with `truncate_prompts` keeps its end (`dlm.data.prompts`)."""
-    import torch
-
     from dlm.data.prompts import encode_prompts
+    from dlm.modeling.device import make_generator
 
-    model, tok = load_for_inference(model_path, dtype=dtype)
+    model, tok = load_for_inference(model_path, dtype=dtype, device=device)
     masked = model.spec.family == "masked"
     traced = show_steps and model.spec.family in ("masked", "simplex")
     options = resolve_options(model.spec.family, options, strict=False)
     ids = encode_prompts(tok, prompts, model, max_new_tokens, truncate=truncate_prompts)
     out = generate(model, ids, options, max_new_tokens=max_new_tokens, eos_id=tok.eos_token_id,
-                   pad_id=tok.pad_token_id, temperature=temperature, generator=torch.Generator().manual_seed(seed),
+                   pad_id=tok.pad_token_id, temperature=temperature, generator=make_generator(seed, model),
                    return_trace=traced)
     results = [{"prompt": p, "response": tok.decode(t, skip_special_tokens=True), "nfe": n}
                for p, t, n in zip(prompts, out.tokens, out.nfe)]
