@@ -95,7 +95,7 @@ def run(plan_path, json_path=None, runs=None, seeds=None, arms=None, max_minutes
                     print(f"--max-minutes {max_minutes} reached; {added} cells added; rerun to continue", flush=True)
                     return added
                 model_dir, record = pumba_study.trained_model(plan, arm, seed, runs)
-                model, tok = load_for_inference(model_dir)
+                model, tok = load_for_inference(model_dir, dtype="float32", device="cpu")
                 construction = training_construction(model_dir)
                 u = int(pumba_study.parse_eval(key)[1])
                 start = time.perf_counter()

@@ -69,7 +69,8 @@ from dlm.data.sources import read_jsonl
 from dlm.data.tokenizer import encode_pair
 from dlm.evaluation.run import default_task_file
 from dlm.evaluation.tasks import grade_programs
-from dlm.sampling import DTYPES, generate, load_for_inference
+from dlm.modeling.device import DTYPES
+from dlm.sampling import generate, load_for_inference
 
 CACHES = ("auto", "kv", "none", "prefix", "dual")
 

@@ -32,7 +32,7 @@ def write_zero_carry(source: str | Path, dest: str | Path) -> Path:
     if dest.exists():
         raise DlmError(f"{dest}: already exists; name a new directory")
     model_dir = resolve_model_dir(source)
-    model, tok = load_for_inference(model_dir)
+    model, tok = load_for_inference(model_dir, dtype="float32", device="cpu")
     if model.spec.lora is not None:
         raise DlmError(f"{model_dir}: a LoRA model; merge it first (dlm export) to zero its carry")
     try:

@@ -8,6 +8,8 @@ import math
 import pytest
 import torch
 
+from dlm.errors import DlmError
+
 from dlm.modeling.build import cast_model
 from dlm.modeling.carry import CARRY_MODULE
 from dlm.modeling.simplex import TIMESTEP_EMBEDDING
@@ -104,8 +106,8 @@ def test_dtype_by_name_default_and_errors(saved):
     assert_in_dtype(load_for_inference(path, dtype="bfloat16")[0])
     default, _ = load_for_inference(path)
     assert {p.dtype for p in default.parameters()} == {torch.float32}
-    with pytest.raises(ValueError, match="unknown dtype 'float16'.*float32, bfloat16"):
-        load_for_inference(path, dtype="float16")
+    with pytest.raises(DlmError, match="unknown dtype 'half'; choose one of auto, float32, bfloat16, float16"):
+        load_for_inference(path, dtype="half")
 
 
 def test_cast_model_reaches_attached_modules_and_keeps_ties():
@@ -206,9 +208,9 @@ def test_cli_eval_and_generate_with_dtype(saved, tmp_path, capsys):
     main(["generate", str(saved["masked"][1]), "--prompt", "Ann has 2 cats.", "--max-new-tokens", "4",
           "--dtype", "bfloat16", "--show-steps"])
     assert "(2 NFE)" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match="mask-discrepancy runs in float32"):
+    with pytest.raises(SystemExit, match="mask-discrepancy runs on the CPU in float32"):
         main(["eval", str(saved["masked"][1]), "--data", str(_data(tmp_path)), "--metric", "mask-discrepancy",
               "--dtype", "bfloat16"])
     with pytest.raises(SystemExit):
-        main(["eval", str(saved["ar"][1]), "--data", str(_data(tmp_path)), "--dtype", "float16"])
-    assert "invalid choice: 'float16'" in capsys.readouterr().err
+        main(["eval", str(saved["ar"][1]), "--data", str(_data(tmp_path)), "--dtype", "float64"])
+    assert "invalid choice: 'float64'" in capsys.readouterr().err

@@ -298,3 +298,21 @@ def test_memory_benchmark_counts_each_mode(tmp_path):
         assert b["weights"] == pytest.approx(frozen * (1 - share) + 4 * share)
         assert (b["grads"], b["adamw"], b["ema"]) == pytest.approx((4 * share, 8 * share, 4 * share), rel=1e-3)
     assert (tmp_path / "m.md").read_text().count("| LoRA") == 2
+
+
+def test_export_merge_at_a_dtype_is_the_float32_merge_rounded(tmp_path):
+    """`dlm export --merge --dtype bfloat16`: every tensor written in bf16, equal to the float32 merge rounded; the
+    config says so. A copy (nothing to merge) refuses a dtype it would not apply."""
+    spec = dict(family="masked", attention="bidirectional", mask_token_id=3)
+    torch.manual_seed(0)
+    build(ModelSpec(**spec), preset="nano", vocab_size=48, max_positions=64).save_pretrained(tmp_path / "base")
+    model = _adapter_model(tmp_path / "base", ModelSpec(**spec, lora=LoraSpec(r=4, target_modules=["q_proj"])))
+    save_model(model, tmp_path / "adapter")
+    full = export_module.export(tmp_path / "adapter", tmp_path / "f32", merge=True)
+    half = export_module.export(tmp_path / "adapter", tmp_path / "bf16", merge=True, device="auto", dtype="bfloat16")
+    want, got = load_file(full / "model.safetensors"), load_file(half / "model.safetensors")
+    assert want.keys() == got.keys() and {t.dtype for t in got.values()} == {torch.bfloat16}
+    assert all(torch.equal(got[k], v.to(torch.bfloat16)) for k, v in want.items())
+    assert json.loads((half / "config.json").read_text())["dtype"] == "bfloat16"
+    with pytest.raises(DlmError, match="--dtype casts a merged LoRA model"):
+        export_module.export(tmp_path / "base", tmp_path / "copy", merge=True, dtype="bfloat16")

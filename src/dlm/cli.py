@@ -90,11 +90,13 @@ def _cmd_generate(a):
     from dlm.sampling import generate_text
 
     settings = _sampling_settings(a)
+    _device_first(a)
     prompts = list(a.prompt or []) + (read_prompts(a.file) if a.file else [])
     if not prompts:
         sys.exit("dlm generate: give at least one --prompt or a --file")
     for r in generate_text(a.model, prompts, settings, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
-                           seed=a.seed, show_steps=a.show_steps, dtype=a.dtype, truncate_prompts=a.truncate_prompts):
+                           seed=a.seed, show_steps=a.show_steps, dtype=a.dtype, device=a.device,
+                           truncate_prompts=a.truncate_prompts):
         print(f"user: {r['prompt']}\nassistant ({r['nfe']} NFE):\n{r['response']}\n")
 
 
@@ -148,19 +150,36 @@ def _sampling_settings(a):
     return parse_settings({name: getattr(a, name) for name in OWNER}, names={name: _flags(name)[-1] for name in OWNER})
 
 
-def _add_dtype_flag(p) -> None:
-    from dlm.sampling import DTYPES
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # dlm.modeling.device.DTYPES (tested equal), without torch
 
-    p.add_argument("--dtype", default="float32", choices=DTYPES,
-                   help="precision the model is loaded and run at (default: float32). bfloat16 halves weight memory "
-                   "and, on CPUs with bf16 matrix units or on GPUs, speeds up multi-token passes (block/masked "
-                   "decoding) more than one-token AR steps; accuracy is measured at that precision")
+
+def _add_device_flags(p, what: str = "the model is loaded and run") -> None:
+    """--device, --dtype and --threads: where and at what precision `what` (resolved by dlm.modeling.device)."""
+    g = p.add_argument_group("device and precision")
+    g.add_argument("--device", default="auto", help=f"where {what}: auto (default: CUDA if present, then MPS, "
+                   "else the CPU), cpu, cuda, cuda:N, mps; a device this machine lacks is an error naming those it has")
+    g.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help=f"precision {what} at (default auto: bfloat16 on a GPU that supports it, else float32). "
+                   "bfloat16 halves weight memory and, on CPUs with bf16 matrix units or on GPUs, speeds up "
+                   "multi-token passes (block/masked decoding) more than one-token AR steps; results are measured "
+                   "at that precision and record it")
+    g.add_argument("--threads", type=int, help="CPU threads for tensor work (default: every core this process may "
+                   "use)")
+
+
+def _device_first(a) -> None:
+    """Threads set and the device checked before any work: a device this machine lacks is the first thing said."""
+    from dlm.modeling.device import resolve_device, set_threads
+
+    set_threads(a.threads)
+    resolve_device(a.device)
 
 
 def _cmd_eval(a):
     from dlm.evaluation.sweeps import run_sweep, write_sweep
 
     settings = _sampling_settings(a)
+    _device_first(a)
     if a.task.startswith("lm-eval:"):
         from dlm.evaluation.lm_eval import run_lm_eval
 
@@ -173,6 +192,7 @@ def _cmd_eval(a):
             samples = a.samples if len(a.model) == 1 or not a.samples else f"{a.samples}.{i}"
             r = run_lm_eval(model, a.task.removeprefix("lm-eval:"), settings, n=a.n, batch_size=a.batch_size,
                             max_new_tokens=a.max_new_tokens, temperature=a.temperature, seed=a.seed, dtype=a.dtype,
+                            device=a.device,
                             mc_num=a.mc_num, num_fewshot=a.num_fewshot, apply_chat_template=a.apply_chat_template,
                             include_path=a.lm_eval_include or (), data=a.data, samples=samples, out=out)
             print(f"{model}\n{r['table']}")
@@ -186,8 +206,9 @@ def _cmd_eval(a):
         from dlm.evaluation.mask_discrepancy import run_mask_discrepancy
         from dlm.evaluation.run import default_task_file
 
-        if a.dtype != "float32":
-            sys.exit("dlm eval: --metric mask-discrepancy runs in float32 only; drop --dtype")
+        if a.dtype not in ("auto", "float32") or a.device not in ("auto", "cpu"):
+            sys.exit("dlm eval: --metric mask-discrepancy runs on the CPU in float32 (its trajectory pools live "
+                     "there); drop --device and --dtype")
         data = a.data or default_task_file(a.model[0], a.task)
         run_mask_discrepancy(a.model, data, u=settings.reveal_count, n=a.n or 50, seed=a.seed, out=a.out)
         return
@@ -200,11 +221,12 @@ def _cmd_eval(a):
         data = a.data or default_task_file(a.model[0], a.task)
         run_intrinsic(a.model, data, a.reference_model, settings, n=a.n, batch_size=a.batch_size,
                       max_new_tokens=a.max_new_tokens or 128, seed=a.seed, with_mauve=not a.no_mauve, out=a.out,
-                      dtype=a.dtype, truncate_prompts=a.truncate_prompts)
+                      dtype=a.dtype, device=a.device, truncate_prompts=a.truncate_prompts)
         return
     ks = [int(k) for k in a.pass_k.split(",")] if a.pass_k else [1]
     result = run_sweep(a.model, a.data, settings, task=a.task, sweep=a.sweep, n=a.n, batch_size=a.batch_size,
-                       max_new_tokens=a.max_new_tokens, seed=a.seed, dtype=a.dtype, truncate_prompts=a.truncate_prompts,
+                       max_new_tokens=a.max_new_tokens, seed=a.seed, dtype=a.dtype, device=a.device,
+                       truncate_prompts=a.truncate_prompts,
                        temperature=a.temperature or 0.0, samples_per_problem=a.samples_per_problem, ks=ks,
                        samples=a.samples)
     if result["trivial_baseline"] is not None:
@@ -233,14 +255,17 @@ def _cmd_convert(a):
 def _cmd_demo(a):
     from dlm.demo import run_demo
 
-    run_demo(a.out, minutes=a.minutes)
+    _device_first(a)
+    run_demo(a.out, minutes=a.minutes, device=a.device, dtype=a.dtype)
 
 
 def _cmd_export(a):
     from dlm.modeling.convert import parse_size
     from dlm.modeling.export import export
 
-    out = export(a.model, a.out, merge=a.merge, max_shard_bytes=parse_size(a.shard_size))
+    _device_first(a)
+    dtype = None if a.dtype == "keep" else a.dtype
+    out = export(a.model, a.out, merge=a.merge, max_shard_bytes=parse_size(a.shard_size), device=a.device, dtype=dtype)
     print(f"exported: {out}")
 
 
@@ -252,7 +277,9 @@ def _cmd_serve(a):
                     max_prompt_tokens=a.max_prompt_tokens, max_batch_size=a.max_batch_size,
                     batch_window_ms=a.batch_window_ms, max_concurrent=a.max_concurrent, max_body_bytes=a.max_body_bytes,
                     timeout_s=a.timeout)
-    serve(a.model, host=a.host, port=a.port, dtype=a.dtype, name=a.name, defaults=_sampling_settings(a), limits=limits)
+    _device_first(a)
+    serve(a.model, host=a.host, port=a.port, dtype=a.dtype, device=a.device, name=a.name,
+          defaults=_sampling_settings(a), limits=limits)
 
 
 SERVE_HELP = """endpoints (OpenAI-compatible; any OpenAI client works with base_url http://HOST:PORT/v1):
@@ -357,7 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--show-steps", action="store_true",
                    help="masked: render the denoising step by step, tokens coloured by confidence")
-    _add_dtype_flag(g)
+    _add_device_flags(g)
     _add_sampling_flags(g)
     g.set_defaults(func=_cmd_generate)
 
@@ -411,7 +438,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="lm-eval likelihood tasks, masked models: Monte-Carlo masks per request of the ELBO (LLaDA)")
     e.add_argument("--lm-eval-include", action="append", metavar="DIR",
                    help="a folder of lm-eval task YAMLs (repeatable), beside dlm's packaged tasks")
-    _add_dtype_flag(e)
+    _add_device_flags(e, "every model is loaded and run (an intrinsic --reference-model scores in float32 there)")
     e.add_argument("--out", help="write the table (JSON) here and the plot beside it (.png)")
     _add_sampling_flags(e)
     e.set_defaults(func=_cmd_eval)
@@ -453,6 +480,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--out", default="runs/demo", help="run directory (default: runs/demo)")
     m.add_argument("--minutes", type=float, default=9.0,
                    help="training time budget, split over both stages in proportion to their updates (default: 9)")
+    _add_device_flags(m, "both stages train and decode (training: cpu keeps accelerate off the GPU; bfloat16 trains "
+                      "in bf16 mixed precision)")
     m.set_defaults(func=_cmd_demo)
 
     x = sub.add_parser("export", help="write a trained model as a plain Hugging Face model (LoRA merged)",
@@ -469,6 +498,11 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("out", help="new directory to write (must not exist or be empty)")
     x.add_argument("--merge", action="store_true", help="merge a LoRA adapter into its base's weights")
     x.add_argument("--shard-size", default="5GB", help="largest safetensors shard, e.g. 5GB, 500MB (default: 5GB)")
+    x.add_argument("--device", default="cpu", help="--merge: where B·A is computed (default: cpu; auto, cuda, cuda:N, "
+                   "mps); tensors are streamed one at a time either way")
+    x.add_argument("--dtype", default="keep", choices=["keep", "float32", "bfloat16", "float16"],
+                   help="--merge: precision of the written tensors (default: keep each tensor's own)")
+    x.add_argument("--threads", type=int, help="CPU threads (default: every core this process may use)")
     x.set_defaults(func=_cmd_export)
 
     v = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API, streaming the denoising",
@@ -480,7 +514,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
     v.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     v.add_argument("--name", help="the model id clients send as `model` (default: the directory's name)")
-    _add_dtype_flag(v)
+    _add_device_flags(v)
     lim = v.add_argument_group("limits")
     lim.add_argument("--max-tokens", type=int, default=1024, help="largest max_tokens a request may ask for "
                      "(default: 1024)")

@@ -5,7 +5,10 @@ masked model's denoising step by step."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
+
+import torch
 
 from dlm.config import load_recipe
 
@@ -27,20 +30,29 @@ MDM_STAGE = ["name=demo-mdm", "train.objective=mdm", "model.attention=bidirectio
 STAGE_SHARES = {"ar": 1 / 3, "mdm": 2 / 3}
 
 
-def run_demo(out: str | Path = "runs/demo", minutes: float = 9.0) -> dict:
-    """Train both stages within about `minutes`, evaluate each on the test split, show a denoising."""
+def run_demo(out: str | Path = "runs/demo", minutes: float = 9.0, device="auto", dtype="auto") -> dict:
+    """Train both stages within about `minutes`, evaluate each on the test split, show a denoising; all on `device`
+    at `dtype` (`dlm.modeling.device`; training is placed by accelerate, kept off a present GPU for the CPU, and in
+    bf16 mixed precision for bfloat16)."""
     from dlm.evaluation.tasks import trivial_baseline
+    from dlm.modeling.device import resolve_device, resolve_dtype
     from dlm.sampling import MaskedOptions, generate_text
     from dlm.training.loop import train
 
-    out = Path(out)
+    out, dev = Path(out), resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    if dev.type == "cpu" and torch.cuda.is_available():
+        os.environ["ACCELERATE_USE_CPU"] = "true"  # accelerate would take the GPU that is there
+    elif dev.type == "cuda" and dev.index:
+        torch.cuda.set_device(dev)
+    precision = ["train.precision=bf16"] if dt == torch.bfloat16 else []
     data = [f"data.dir={out / 'data'}"]
     results = {}
     for stage, overrides in (("ar", AR_STAGE), ("mdm", MDM_STAGE)):
         run = out / stage
         init = [f"model.init_from={out / 'ar'}"] if stage == "mdm" else []
         run_opts = [f"out_dir={run}", f"train.max_minutes={minutes * STAGE_SHARES[stage]}"]
-        recipe = load_recipe(None, COMMON + data + overrides + init + run_opts)
+        recipe = load_recipe(None, COMMON + data + overrides + init + run_opts + precision)
         title = "AR baseline" if stage == "ar" else "masked diffusion (MDM), initialised from the AR model"
         print(f"\n== dlm demo {stage}: {title} on tinymath {recipe.data.level} ==")
         train(recipe, resume=(run / "checkpoints" / "latest").is_file())
@@ -57,7 +69,8 @@ def run_demo(out: str | Path = "runs/demo", minutes: float = 9.0) -> dict:
               f"{' (stopped by the wall-clock cap; raise --minutes)' if done < planned else ''}")
     print("\n== the masked model's denoising, top-u u=2 to show every step (colour = confidence when revealed) ==")
     top_u = MaskedOptions(policy="top_u", reveal_count=2)
-    for g in generate_text(out / "mdm", [test[0]["prompt"]], top_u, max_new_tokens=40, show_steps=True):
+    for g in generate_text(out / "mdm", [test[0]["prompt"]], top_u, max_new_tokens=40, show_steps=True, device=dev,
+                           dtype=dt):
         print(f"assistant ({g['nfe']} NFE):\n{g['response']}\n(expected answer: {test[0]['answer']})")
     print(f"\nmodels:  {out / 'ar' / 'model'}  {out / 'mdm' / 'model'}\nmetrics: {out / 'mdm' / 'metrics.jsonl'}\n"
           f"plots:   {out / 'ar' / 'training_curve.png'}  {out / 'mdm' / 'training_curve.png'}\n"

@@ -7,6 +7,8 @@ import math
 
 import torch
 
+from dlm.modeling.device import categorical
+
 
 def cosine_alpha_bar(timesteps: int, offset: float = 1e-4) -> torch.Tensor:
     """ᾱ_t for t = 0 … T−1: f(t/T) / f(0) with f(u) = cos²((u + s)/(1 + s) · π/2) (Nichol & Dhariwal 2021, Eq. 17),
@@ -48,9 +50,8 @@ def top_p_sample(logits: torch.Tensor, top_p: float, generator: torch.Generator 
     sorted_p, order = probs.sort(-1, descending=True)
     keep = sorted_p.cumsum(-1) - sorted_p < top_p  # the top token is always kept
     sorted_p = sorted_p * keep
-    flat = sorted_p.flatten(0, -2)
-    pick = torch.multinomial(flat / flat.sum(-1, keepdim=True), 1, generator=generator).view(*logits.shape[:-1], 1)
-    return order.gather(-1, pick).squeeze(-1)
+    pick = categorical(sorted_p / sorted_p.sum(-1, keepdim=True), generator)
+    return order.gather(-1, pick[..., None]).squeeze(-1)
 
 
 def project_top_p(logits: torch.Tensor, k: float, top_p: float,

@@ -59,7 +59,7 @@ def _by_length(pairs) -> list[int]:
     return sorted(range(len(pairs)), key=lambda i: -(len(pairs[i][0]) + len(pairs[i][1])))
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def ar_loglikelihood(model, pairs: Sequence[Pair], *, batch_size: int = 8, pad_id: int = 0
                      ) -> list[tuple[float, bool]]:
     """Exact Σ log p(continuation | context) of an AR model and whether greedy decoding would produce it."""
@@ -130,7 +130,7 @@ def _masked_logits(model, rows, prompt_lens, pad_id: int, mask_id: int, targets)
     return model(ids, attention_mask=mask)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def masked_loglikelihood(model, pairs: Sequence[Pair], *, mc_num: int = 128, batch_size: int = 32, seed: int = 0,
                          pad_id: int = 0) -> list[tuple[float, bool]]:
     """(ELBO of log p(continuation | context), greedy) per pair for a masked model: the mean over mc_num masks (see

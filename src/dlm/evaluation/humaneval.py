@@ -11,11 +11,10 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
-
 from dlm.data.sources import DataError
 from dlm.evaluation.sandbox import run_programs
 from dlm.evaluation.tasks import encode_texts, generate_batched
+from dlm.modeling.device import make_generator
 from dlm.sampling import resolve_options
 
 STOP = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")  # Codex stop sequences: the function body ends before these
@@ -111,7 +110,7 @@ def evaluate_humaneval(model, tok, problems: Sequence[dict], options=None, *, sa
     expanded = [i for i in range(len(problems)) for _ in range(samples_per_problem)]
     texts, nfes, tokens, seconds = generate_batched(
         model, tok, [ids[i] for i in expanded], options, batch_size=batch_size, max_new_tokens=max_new_tokens,
-        temperature=temperature, generator=torch.Generator().manual_seed(seed), progress=progress)
+        temperature=temperature, generator=make_generator(seed, model), progress=progress)
     completions = [stop_at(t) for t in texts]
     grades = grade([problems[i] for i in expanded], completions, timeout=timeout)
     passed = [0] * len(problems)

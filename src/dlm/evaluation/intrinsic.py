@@ -41,22 +41,22 @@ def unigram_entropy(token_lists: Sequence[Sequence[int]]) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def _score(model, tok, prompts: Sequence[str], responses: Sequence[str], batch_size: int):
     """(summed NLL of response + EOS, token count, final hidden state at the EOS) under a causal LM, per sample."""
-    max_length = model.config.max_position_embeddings
+    max_length, device = model.config.max_position_embeddings, next(model.parameters()).device
     nll, count, feats = [], [], []
     for start in range(0, len(prompts), batch_size):
         exs = [make_example(*encode_pair(tok, p, r), max_length)
                for p, r in zip(prompts[start : start + batch_size], responses[start : start + batch_size])]
-        b = collate(exs, tok.eos_token_id, tok.pad_token_id)
+        b = {k: v.to(device) for k, v in collate(exs, tok.eos_token_id, tok.pad_token_id).items()}
         out = model.backbone(input_ids=b["input_ids"], attention_mask=b["attention_mask"], output_hidden_states=True)
         logp = torch.log_softmax(out.logits[:, :-1].float(), -1).gather(-1, b["input_ids"][:, 1:, None]).squeeze(-1)
         mask = b["loss_mask"][:, 1:]
         nll += (-(logp * mask).sum(-1)).tolist()
         count += mask.sum(-1).tolist()
         last = last_token_index(b["loss_mask"])  # the EOS after the response
-        feats.append(out.hidden_states[-1][torch.arange(len(exs)), last].float())
+        feats.append(out.hidden_states[-1][torch.arange(len(exs), device=device), last].float().cpu())
     return nll, count, torch.cat(feats).numpy()
 
 
@@ -88,7 +88,7 @@ def _minilm():
     return _MINILM["model"], _MINILM["tok"]
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def minilm_features(texts: Sequence[str], batch_size: int = 64, max_length: int = 256):
     """One 384-wide feature per text: MiniLM-L6's last hidden states averaged over the text's tokens (the
     sentence-transformers pooling of all-MiniLM-L6-v2, without its final normalisation); numpy [N, 384]."""
@@ -149,27 +149,30 @@ def intrinsic_metrics(prompts: Sequence[str], generations: Sequence[str], refere
 def run_intrinsic(models: Sequence[str | Path], data: str | Path, reference_model: str | Path, options=None, *,
                   n: int | None = None, batch_size: int = 50, max_new_tokens: int = 128, seed: int = 0,
                   with_mauve: bool = True, out: str | Path | None = None, progress: bool = True,
-                  dtype=None, truncate_prompts: bool = False, mauve_features: str = "auto") -> dict:
+                  dtype="auto", device="auto", truncate_prompts: bool = False, mauve_features: str = "auto") -> dict:
     """One row per model: its generations for the prompts of `data`, scored by the held-out `reference_model`;
     the references (the data's responses) get a row too, as the ceiling. Each model samples with its family's share
-    of `options` (SamplingSettings, one family's SamplingOptions or None). The evaluated models generate at `dtype`
-    (e.g. "bfloat16"); the reference model always scores in float32, so rows stay comparable across dtypes. The
-    result names the MAUVE featuriser used (`mauve_features`)."""
+    of `options` (SamplingSettings, one family's SamplingOptions or None). The evaluated models generate on `device`
+    at `dtype` (`load_for_inference`); the reference model always scores in float32 (on the same device), so rows
+    stay comparable across dtypes. The result names the MAUVE featuriser used (`mauve_features`)."""
     from dlm.data.sources import read_jsonl
     from dlm.evaluation.tasks import evaluate
-    from dlm.sampling import dtype_name, load_for_inference, resolve_options
+    from dlm.modeling.device import placement
+    from dlm.sampling import load_for_inference, resolve_options
 
     features = resolve_mauve_features(mauve_features)
     records = read_jsonl(data, required=("prompt", "response"))
     records = records[:n] if n else records
-    ref_model, ref_tok = load_for_inference(reference_model)
+    ref_model, ref_tok = load_for_inference(reference_model, dtype="float32", device=device)
+    where = placement(ref_model)  # then the evaluated models' (their dtype; the reference scores in float32)
     if ref_model.spec.family != "autoregressive":
         raise DlmError(f"{reference_model}: the held-out model must be an autoregressive model")
     prompts, references = [r["prompt"] for r in records], [r["response"] for r in records]
     rows = [{"model": "references", **intrinsic_metrics(prompts, references, references, ref_tok, ref_model, ref_tok,
                                                         batch_size, with_mauve, features)}]
     for path in models:
-        model, tok = load_for_inference(path, dtype=dtype)
+        model, tok = load_for_inference(path, dtype=dtype, device=device)
+        where = placement(model)
         graded = "answer" in records[0]
         own = resolve_options(model.spec.family, options, strict=False)
         r = evaluate(model, tok, records if graded else [{**x, "answer": None} for x in records], own,
@@ -184,7 +187,7 @@ def run_intrinsic(models: Sequence[str | Path], data: str | Path, reference_mode
         rows.append(row)
         if progress:
             print(json.dumps(row))
-    result = {"data": str(data), "n": len(records), "reference_model": str(reference_model), "dtype": dtype_name(dtype),
+    result = {"data": str(data), "n": len(records), "reference_model": str(reference_model), **where,
               "mauve_features": features if with_mauve else None, "rows": rows}
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)

@@ -14,22 +14,19 @@ NFE, tokens/s and the sampling options land in the results' `config["dlm"]` (`ge
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-import torch
-
 from dlm.errors import DlmError, OptionsError
 from dlm.evaluation.elbo import forward_passes, loglikelihood
 from dlm.evaluation.humaneval import stop_at
 from dlm.evaluation.tasks import encode_text, encode_texts, generate_batched
+from dlm.modeling.device import make_generator, placement
 from dlm.sampling import (
     SamplingOptions,
     SamplingSettings,
-    dtype_name,
     load_for_inference,
     parse_settings,
     resolve_options,
@@ -54,9 +51,11 @@ class DlmLM(LM):
     """lm-eval's LM interface over a dlm model. Model args: pretrained (run/model/checkpoint directory), dtype
     (float32, bfloat16), batch_size, device, seed, mc_num (ELBO masks per request), max_gen_toks (when a request
     does not say), add_bos_token, truncate_prompts (keep a too-long context's end; default true), and any sampling
-    option by its field or short name (policy, u, tau, block_size, kv_cache, cache, steps, top_p, ...)."""
+    option by its field or short name (policy, u, tau, block_size, kv_cache, cache, steps, top_p, ...). device and
+    dtype resolve as every dlm command's (`dlm.modeling.device`): auto, the default, is the GPU in bfloat16 where
+    there is one, else the CPU in float32; lm-eval's --device reaches `device`."""
 
-    def __init__(self, pretrained: str | Path, dtype: str | None = None, batch_size: int | str = 8,
+    def __init__(self, pretrained: str | Path, dtype: str | None = "auto", batch_size: int | str = 8,
                  max_batch_size: int | None = None, device: str | None = None, seed: int = 0, mc_num: int = 128,
                  max_gen_toks: int = 256, add_bos_token: bool = False, truncate_prompts: bool = True,
                  trust_remote_code: bool | None = None, options=None, **sampling):
@@ -67,15 +66,12 @@ class DlmLM(LM):
         values = _sampling_values(options, sampling)
         if isinstance(values, dict):
             parse_settings(values)  # each value in range; whether the model's family takes it: below
-        self.model, self.tok = load_for_inference(pretrained, dtype=dtype)
-        self.device_name = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        if self.device_name.startswith("cuda") and not torch.cuda.is_available():  # lm-eval's CLI default
-            logging.getLogger(__name__).warning("dlm: device %s is not available; running on cpu", self.device_name)
-            self.device_name = "cpu"
-        self.model.to(self.device_name).eval()
+        self.model, self.tok = load_for_inference(pretrained, dtype=dtype or "auto", device=device or "auto")
+        self.placement = placement(self.model)
+        self.device_name = self.placement["device"]
         self.family = self.model.spec.family
         self.options = resolve_options(self.family, values)
-        self.pretrained, self.dtype = str(pretrained), dtype_name(dtype)
+        self.pretrained, self.dtype = str(pretrained), self.placement["dtype"]
         self.stats: dict = defaultdict(lambda: {"requests": 0, "nfe": 0, "tokens": 0, "seconds": 0.0})
         self.request_nfe: dict = defaultdict(int)  # (task, doc_id) -> NFE summed over the doc's requests
         self.truncated = 0
@@ -93,7 +89,7 @@ class DlmLM(LM):
             order = sorted(range(len(idx)), key=lambda j: -len(ids[j]))  # similar lengths share a batch
             texts, nfes, tokens, seconds = generate_batched(
                 self.model, self.tok, [ids[j] for j in order], self.options, batch_size=self.batch_size,
-                max_new_tokens=max_new, temperature=temperature, generator=torch.Generator().manual_seed(self.seed),
+                max_new_tokens=max_new, temperature=temperature, generator=make_generator(self.seed, self.model),
                 progress=not disable_tqdm)
             for j, text, nfe, n_tok, secs in zip(order, texts, nfes, tokens, seconds):
                 req = requests[idx[j]]
@@ -138,7 +134,7 @@ class DlmLM(LM):
                 **s, "mean_nfe": s["nfe"] / max(s["requests"], 1),
                 **({"tokens_per_s": s["tokens"] / max(s["seconds"], 1e-9), "tokens_per_nfe": s["tokens"] /
                     max(s["nfe"], 1)} if kind == "generate_until" else {})}
-        return {"dlm": {"pretrained": self.pretrained, "family": self.family, "dtype": self.dtype,
+        return {"dlm": {"pretrained": self.pretrained, "family": self.family, **self.placement,
                         "sampling": {"family": self.family, **self.options.model_dump(mode="json")},
                         "seed": self.seed, "mc_num": self.mc_num, "batch_size": self.batch_size,
                         "truncated_prompts": self.truncated, "tasks": tasks}}
@@ -231,16 +227,16 @@ def task_manager(names: Sequence[str], include_path: Sequence[str | Path] = (), 
 
 
 def run_lm_eval(model_path: str | Path, task: str, options=None, *, n: int | None = None, batch_size: int = 8,
-                max_new_tokens: int | None = None, temperature: float | None = None, seed: int = 0, dtype=None,
-                mc_num: int = 128, num_fewshot: int | None = None, apply_chat_template: bool = False, device=None,
+                max_new_tokens: int | None = None, temperature: float | None = None, seed: int = 0, dtype="auto",
+                mc_num: int = 128, num_fewshot: int | None = None, apply_chat_template: bool = False, device="auto",
                 truncate_prompts: bool = True, include_path: Sequence[str | Path] = (), data: str | Path | None = None,
                 samples: str | Path | None = None, out: str | Path | None = None) -> dict:
     """`dlm eval --task lm-eval:TASK`: one lm-eval task (or group) on a dlm model through `simple_evaluate`; returns
     {model, task, results, n-samples, config (dlm's: sampling options, NFE, tokens/s)}, written to `out` (JSON) and
     every problem's prompt, response, NFE and metrics to `samples` (jsonl). `max_new_tokens` / `temperature` override
     the task's generation kwargs; `n` limits the documents per task; `mc_num` is the ELBO's masks per request;
-    `data` reaches the task as metadata (dlm's packaged tasks read their records from it); `device`: default cuda
-    when there is one."""
+    `data` reaches the task as metadata (dlm's packaged tasks read their records from it); `device` and `dtype`
+    place the model (`load_for_inference`) and are recorded."""
     import json
 
     from lm_eval import simple_evaluate
@@ -259,7 +255,7 @@ def run_lm_eval(model_path: str | Path, task: str, options=None, *, n: int | Non
         limit=n, num_fewshot=num_fewshot, gen_kwargs=gen_kwargs or None, apply_chat_template=apply_chat_template,
         log_samples=True, confirm_run_unsafe_code=True, random_seed=seed, numpy_random_seed=seed,
         torch_random_seed=seed, fewshot_random_seed=seed, bootstrap_iters=1000)
-    summary = {"model": str(model_path), "task": f"lm-eval:{task}", "dtype": dtype_name(dtype),
+    summary = {"model": str(model_path), "task": f"lm-eval:{task}", **lm.placement,
                "results": results["results"], "n-samples": results.get("n-samples"), "config": results["config"]}
     if samples:
         write_samples(samples, (_sample_line(model_path, name, s, lm.request_nfe)

@@ -238,7 +238,7 @@ def run_mask_discrepancy(models: Sequence[str], data, u: int = 2, n: int = 50, s
     records = read_jsonl(data, required=("prompt", "response"))
     rows = []
     for path in models:
-        model, tok = load_for_inference(path)
+        model, tok = load_for_inference(path, dtype="float32", device="cpu")  # its pools and masks live on the CPU
         if model.spec.family != "masked":
             raise DlmError(f"{path}: mask discrepancy needs a masked model (family {model.spec.family!r})")
         run = training_construction(path)

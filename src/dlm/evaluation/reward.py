@@ -13,16 +13,17 @@ from dlm.data.tokenizer import encode_pair
 from dlm.modeling.reward import last_token_index, reward_scores
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def score_texts(model, tok, prompts: Sequence[str], responses: Sequence[str], batch_size: int = 50,
                 max_length: int | None = None) -> list[float]:
     """R(x, y) for each (prompt, response): the reward head at the response's EOS."""
     max_length = max_length or model.config.max_position_embeddings
+    device = next(model.parameters()).device
     out: list[float] = []
     for start in range(0, len(prompts), batch_size):
         exs = [make_example(*encode_pair(tok, p, r), max_length)
                for p, r in zip(prompts[start : start + batch_size], responses[start : start + batch_size])]
-        b = collate(exs, tok.eos_token_id, tok.pad_token_id)
+        b = {k: v.to(device) for k, v in collate(exs, tok.eos_token_id, tok.pad_token_id).items()}
         out += reward_scores(model, last_token_index(b["loss_mask"]), input_ids=b["input_ids"],
                              attention_mask=b["attention_mask"]).tolist()
     return out

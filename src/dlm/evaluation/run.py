@@ -11,7 +11,8 @@ from dlm.data.sources import DataError, read_jsonl
 from dlm.errors import DlmError
 from dlm.evaluation.tasks import evaluate, trivial_baseline
 from dlm.modeling.backbone import resolve_model_dir
-from dlm.sampling import dtype_name, load_for_inference, resolve_options
+from dlm.modeling.device import placement
+from dlm.sampling import load_for_inference, resolve_options
 
 TASKS = ("tinymath", "humaneval")  # dlm's own tasks; any lm-eval task runs as `lm-eval:NAME` (dlm.evaluation.lm_eval)
 
@@ -87,20 +88,20 @@ def write_samples(path: str | Path, rows: Iterable[dict]) -> Path:
 
 def evaluate_model(model_path: str | Path, task: str = "tinymath", data: str | Path | None = None, n: int | None = None,
                    options=None, *, batch_size: int = 50, max_new_tokens: int | None = None, temperature: float = 0.0,
-                   seed: int = 0, out: str | Path | None = None, progress: bool = True, dtype=None,
+                   seed: int = 0, out: str | Path | None = None, progress: bool = True, dtype="auto", device="auto",
                    truncate_prompts: bool = False, samples: str | Path | None = None, samples_per_problem: int = 1,
                    ks: Sequence[int] = (1,)) -> dict:
     """Accuracy, NFE and timing of a model on a task; optionally written to `out` (JSON) and every problem's sample to
     `samples` (jsonl). The model samples with `options` (its family's SamplingOptions, SamplingSettings or None;
-    another family's options give the defaults); `dtype` (e.g. "bfloat16") is the precision the model is loaded and
-    run at."""
+    another family's options give the defaults); `device` and `dtype` place the model (`load_for_inference`) and
+    are recorded in the result."""
     records, source = load_task(task, data, model_path, n)
-    model, tok = load_for_inference(model_path, dtype=dtype)
+    model, tok = load_for_inference(model_path, dtype=dtype, device=device)
     options = resolve_options(model.spec.family, options, strict=False)
     result = evaluate_task(task, model, tok, records, options, samples_per_problem=samples_per_problem, ks=ks,
                            batch_size=batch_size, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
                            progress=progress, truncate_prompts=truncate_prompts)
-    result.update({"model": str(model_path), "task": task, "data": source, "dtype": dtype_name(dtype),
+    result.update({"model": str(model_path), "task": task, "data": source, **placement(model),
                    "trivial_baseline": task_baseline(task, records)})
     if samples:
         write_samples(samples, ({"model": str(model_path), "task": task, **s} for s in result["samples"]))

@@ -10,7 +10,8 @@ from pathlib import Path
 from dlm.errors import OptionsError
 from dlm.evaluation.run import default_max_new_tokens, evaluate_task, load_task, task_baseline, write_samples
 from dlm.evaluation.stats import compare, format_comparison
-from dlm.sampling import dtype_name, ignored, load_for_inference, resolve_options
+from dlm.modeling.device import placement
+from dlm.sampling import ignored, load_for_inference, resolve_options
 from dlm.sampling.options import OWNER, option_name
 
 
@@ -34,13 +35,14 @@ def parse_sweep(spec: str | None, options=None) -> tuple[str | None, list]:
 
 def run_sweep(models: Sequence[str | Path], data: str | Path | None = None, options=None, *, task: str = "tinymath",
               sweep: str | None = None, n: int | None = None, batch_size: int = 50, max_new_tokens: int | None = None,
-              seed: int = 0, progress: bool = True, dtype=None, truncate_prompts: bool = False,
+              seed: int = 0, progress: bool = True, dtype="auto", device="auto", truncate_prompts: bool = False,
               temperature: float = 0.0, samples_per_problem: int = 1, ks: Sequence[int] = (1,),
               samples: str | Path | None = None) -> dict:
     """One row per (model, grid value), each row recording the options it ran with. Every model samples with its
     family's share of `options` (SamplingSettings, one family's SamplingOptions or None: the defaults); a model of
-    another family than the swept option's gives a single row. Every model is loaded and run at `dtype` (e.g.
-    "bfloat16"; default float32), recorded in the result. `task`: tinymath (default data: the first model's test
+    another family than the swept option's gives a single row. Every model is placed on `device` at `dtype`
+    (`load_for_inference`; auto: the GPU in bfloat16 where there is one, else the CPU in float32), recorded in the
+    result. `task`: tinymath (default data: the first model's test
     split) or humaneval (pass@k for each k in `ks`). `samples`: every problem's prompt, generation, NFE and grade of
     every row, as jsonl (the returned table is the same with or without it). With one sample per problem each row
     keeps its per-problem outcomes (`correct`, 0/1 in the data's order), and `paired` compares each model with the
@@ -48,9 +50,10 @@ def run_sweep(models: Sequence[str | Path], data: str | Path | None = None, opti
     name, values = parse_sweep(sweep, options)
     records, source = load_task(task, data, models[0] if models else None, n)
     max_new_tokens = max_new_tokens or default_max_new_tokens(task)
-    rows, lines, outcomes = [], [], []
+    rows, lines, outcomes, where = [], [], [], {}
     for path in models:
-        model, tok = load_for_inference(path, dtype=dtype)
+        model, tok = load_for_inference(path, dtype=dtype, device=device)
+        where = where or placement(model)
         family = model.spec.family
         base = resolve_options(family, options, strict=False)
         if progress and ignored(family, options):
@@ -82,7 +85,7 @@ def run_sweep(models: Sequence[str | Path], data: str | Path | None = None, opti
             print(f"{Path(c['model']).name} {_label(name, c['value'])} vs {Path(c['baseline']).name} "
                   f"{_label(name, c['baseline_value'])}: {format_comparison(c)}")
     return {"task": task, "data": source, "n": len(records), "trivial_baseline": task_baseline(task, records),
-            "sweep": sweep, "dtype": dtype_name(dtype), "temperature": temperature, "rows": rows, "paired": paired}
+            "sweep": sweep, **where, "temperature": temperature, "rows": rows, "paired": paired}
 
 
 def paired_rows(rows: list[dict], outcomes: list[list[bool] | None], name: str | None) -> list[dict]:

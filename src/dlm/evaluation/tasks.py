@@ -6,13 +6,13 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-import torch
 from tqdm.auto import tqdm
 
 from dlm.data.prompts import encode_prompts, generation_span
 from dlm.data.sources import DataError
 from dlm.errors import OptionsError
 from dlm.evaluation.sandbox import answers_match, run_programs
+from dlm.modeling.device import make_generator
 from dlm.sampling import generate, resolve_options
 
 
@@ -36,7 +36,7 @@ def evaluate(model, tok, records: Sequence[dict], options=None, *, batch_size: i
     prompts = encode_prompts(tok, records, model, max_new_tokens, truncate=truncate_prompts)
     texts, nfes, tokens, seconds = generate_batched(
         model, tok, prompts, options, batch_size=batch_size, max_new_tokens=max_new_tokens, temperature=temperature,
-        generator=torch.Generator().manual_seed(seed), progress=progress)
+        generator=make_generator(seed, model), progress=progress)
     n_tokens, gen_seconds = sum(tokens), sum(seconds)
     correct = grade_programs(texts, [r["answer"] for r in records])
     n = max(len(records), 1)

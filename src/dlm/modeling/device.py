@@ -137,3 +137,13 @@ def set_threads(threads: int | None = None) -> int:
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
     return n
+
+
+def categorical(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One index per row of `probs` [..., V] (unnormalised weights), on probs' device. A generator made on another
+    device (a caller's CPU generator, a model on the GPU) draws on its own device, where torch.multinomial accepts it,
+    and the indices come back: the seed's stream is kept at the cost of moving the rows (every dlm path makes its
+    generator on the model's device with `make_generator`, so this is the exception)."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    where = flat.device if generator is None else generator.device
+    return torch.multinomial(flat.to(where), 1, generator=generator).to(flat.device).view(probs.shape[:-1])

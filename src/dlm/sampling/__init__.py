@@ -45,9 +45,6 @@ def generate(model, prompts: Sequence[Sequence[int]], options=None, *, max_new_t
                             generator=generator, return_trace=return_trace, trace=trace, **settings)
 
 
-from dlm.modeling.device import DTYPES, dtype_name  # noqa: E402,F401 (re-exported: what --dtype accepts)
-
-
 def load_for_inference(path, dtype="auto", device="auto"):
     """(model, tokenizer) from a dlm model dir, a run dir or a checkpoint dir (`dlm.modeling.build.load_model`),
     placed once: on `device` ("auto": CUDA, then MPS, else CPU) at `dtype` ("auto": bfloat16 on a GPU that has it,
@@ -57,9 +54,9 @@ def load_for_inference(path, dtype="auto", device="auto"):
     from dlm.modeling.build import load_model
     from dlm.modeling.device import place, resolve_device, resolve_dtype
 
-    model_dir = resolve_model_dir(path)
-    dev = resolve_device(device)  # before loading: an unavailable device is one line, not minutes of loading
+    dev = resolve_device(device)  # first: an unavailable device is one line, not minutes of loading
     dt = resolve_dtype(dtype, dev)
+    model_dir = resolve_model_dir(path)
     return place(load_model(model_dir, dtype=dt), dev, dt), load_tokenizer(model_dir)
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from dlm.data.canvas import left_pad
+from dlm.modeling.device import categorical
 
 
 @dataclass
@@ -21,10 +22,10 @@ def pick_tokens(logits: torch.Tensor, temperature: float, generator: torch.Gener
     if temperature == 0:
         return logits.argmax(-1)
     probs = torch.softmax(logits.float() / temperature, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return categorical(probs, generator)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def generate(
     model,
     prompts: Sequence[Sequence[int]],

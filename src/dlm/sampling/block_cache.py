@@ -91,7 +91,7 @@ def _block_logits(raw: torch.Tensor, boundary: torch.Tensor | None, width: int) 
     return torch.cat([boundary[:, None], raw[:, : width - 1]], dim=1)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def decode_block_causal(model, canvas, attention, positions, P, block_size, step, eos_id, mask_id, trace):
     """Denoise canvas[:, P:] (whole blocks) of a block-causal model in place with a KV cache over finished blocks;
     returns the NFE per row. Same tokens, NFE and carry as `masked.decode(..., block_causal=True)`."""
@@ -157,7 +157,7 @@ def _forward(model, ids, inputs, carry, in_block):
     return model(ids, align=False, carry=carry, carry_mask=in_block, return_hidden=True, **inputs)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def decode_fast_dllm(model, canvas, attention, positions, P, block_size, step, eos_id, mask_id, trace, mode):
     """Denoise canvas[:, P:] of a full-canvas model in place with Fast-dLLM's prefix or dual cache (Wu et al. 2026b,
     §3.2), refreshed at every block start; returns the NFE per row. An approximation of `masked.decode`."""

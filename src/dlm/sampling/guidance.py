@@ -11,23 +11,27 @@ import torch
 from dlm.errors import OptionsError
 from dlm.modeling.reward import reward_scores
 
-_LOADED: dict[str, object] = {}
+_LOADED: dict[tuple[str, str, str], object] = {}
 
 
-def resolve_reward_model(reward_model):
-    """A loaded reward model, or one loaded (once per process) from a model or run directory."""
+def resolve_reward_model(reward_model, like=None):
+    """A loaded reward model, or one loaded (once per process and placement) from a model or run directory onto the
+    device and dtype of the model `like` (the diffusion model it guides: its soft inputs live there)."""
     if not isinstance(reward_model, (str, Path)):
         return reward_model
     from dlm.modeling.backbone import resolve_model_dir
     from dlm.modeling.build import load_model
+    from dlm.modeling.device import model_device, model_dtype, place
 
-    key = str(resolve_model_dir(reward_model).resolve())
+    path = str(resolve_model_dir(reward_model).resolve())
+    device, dtype = (model_device(like), model_dtype(like)) if like is not None else ("cpu", torch.float32)
+    key = (path, str(device), str(dtype))
     if key not in _LOADED:
-        model = load_model(key)
+        model = load_model(path, dtype=dtype)
         if model.spec.family != "reward":
-            raise OptionsError(f"reward_model {key}: not a reward model (dlm.json family {model.spec.family!r}; "
+            raise OptionsError(f"reward_model {path}: not a reward model (dlm.json family {model.spec.family!r}; "
                                "train one with `dlm train recipes/tinymath/reward.yaml`)")
-        _LOADED[key] = model
+        _LOADED[key] = place(model, device, dtype)
     return _LOADED[key]
 
 

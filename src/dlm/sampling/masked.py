@@ -35,7 +35,7 @@ class MaskedGeneration:
     trace: list[dict] | None = None
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def generate(
     model,
     prompts: Sequence[Sequence[int]],
@@ -123,8 +123,7 @@ def decode(model, canvas, attention, positions, P, block_size, step, eos_id, mas
     # the carry is kept in the model's dtype, as the block KV cache keeps it: its LayerNorm reads it in that dtype
     carry = torch.zeros(B, L, model.config.hidden_size, device=canvas.device, dtype=dtype) if uses_carry else None
     last_block = torch.zeros(B, dtype=torch.long, device=canvas.device)
-    while not bool(done.all()):
-        rows = (~done).nonzero().squeeze(1)
+    while len(rows := (~done).nonzero().squeeze(1)):  # the step's one host sync: which rows still work
         sub = slice(None) if len(rows) == B else rows  # finished rows are not computed again
         masked = canvas[sub, P:] == mask_id
         current = block_of[first_index(masked).clamp(max=gen_length - 1)]  # the first block with a mask

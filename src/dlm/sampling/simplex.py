@@ -61,7 +61,7 @@ def generate(
     if reward_model is not None and guidance_scale != 0:
         from dlm.sampling.guidance import check_compatible, resolve_reward_model
 
-        reward_model = resolve_reward_model(reward_model)
+        reward_model = resolve_reward_model(reward_model, like=model)
         check_compatible(model, reward_model)
     k, T = spec.simplex_k, spec.simplex_timesteps
     alpha_bar = cosine_alpha_bar(T)
@@ -86,8 +86,10 @@ def generate(
     if trace is None:
         trace = [] if return_trace else None
     schedule = inference_timesteps(T, inference_steps)
+    rows = torch.arange(B, device=device)
     for i, t in enumerate(schedule):
-        rows = (~done).nonzero().squeeze(1)
+        if early_stop_patience is not None:  # rows only stop early: without it, no host sync before the pass
+            rows = (~done).nonzero().squeeze(1)
         sub = slice(None) if len(rows) == B else rows
         time = torch.full((len(rows),), t / T, device=device)
         logits = simplex_logits(model, canvas[sub], torch.cat([context[sub], s[sub]], 1), generating[sub], time,

@@ -9,6 +9,7 @@ from functools import partial
 import torch
 
 from dlm.diffusion import policies
+from dlm.modeling.device import categorical
 from dlm.sampling.options import POLICIES
 
 
@@ -29,7 +30,7 @@ def candidates(logits: torch.Tensor, mask_id: int, temperature: float, generator
     confidence, token, log_probs = policies.confidences(logits, mask_id)
     if temperature > 0:
         probs = torch.softmax(log_probs / temperature, dim=-1)
-        token = torch.multinomial(probs.flatten(0, -2), 1, generator=generator).view(token.shape)
+        token = categorical(probs, generator).view(token.shape)
     return confidence, token
 
 

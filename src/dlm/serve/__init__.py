@@ -6,8 +6,8 @@ from __future__ import annotations
 from dlm.errors import DlmError
 
 
-def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, dtype=None, name: str | None = None,
-          defaults=None, limits=None, log_level: str = "info") -> None:
+def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, dtype="auto", device="auto",
+          name: str | None = None, defaults=None, limits=None, log_level: str = "info") -> None:
     """Load `model` (a model, run or checkpoint directory) and serve it at http://host:port until interrupted.
     `defaults`: sampling settings over the run's recipe (SamplingSettings or a mapping); `limits`: `engine.Limits`."""
     try:
@@ -19,8 +19,10 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, dtype=None, 
     from dlm.serve.app import create_app
     from dlm.serve.engine import Engine, Limits
 
-    engine = Engine(model, dtype=dtype, name=name, defaults=defaults, limits=limits or Limits())
+    engine = Engine(model, dtype=dtype, device=device, name=name, defaults=defaults, limits=limits or Limits())
     for note in engine.ignored:
         print(f"dlm serve: {note} does not apply to this {engine.family} model; ignored")
-    print(f"dlm serve: {engine.name} ({engine.family}) at http://{host}:{port}/  (API: /v1, page: /)")
+    where = engine.placement
+    print(f"dlm serve: {engine.name} ({engine.family}, {where['device']}, {where['dtype']}) at http://{host}:{port}/  "
+          "(API: /v1, page: /)")
     uvicorn.run(create_app(engine), host=host, port=port, log_level=log_level)

@@ -70,7 +70,8 @@ def create_app(engine: Engine) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": engine.name, "family": engine.family, "active": state["active"],
+        return {"status": "ok", "model": engine.name, "family": engine.family, **engine.placement,
+                "active": state["active"],
                 "queued": len(batcher.pending), "decoding_rows": batcher.running, "served": state["served"],
                 **batcher.stats}
 

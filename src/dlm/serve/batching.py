@@ -15,9 +15,8 @@ import logging
 import random
 from concurrent.futures import ThreadPoolExecutor
 
-import torch
-
 from dlm.errors import DlmError
+from dlm.modeling.device import make_generator
 from dlm.sampling import generate
 from dlm.serve.stream import Job, StepFeed
 
@@ -102,7 +101,7 @@ class Batcher:
         feed = StepFeed(lambda step: self._on_step(batch, spans, step, P)) if first.family != "autoregressive" else None
         if first.family == "simplex" or first.temperature > 0:  # these run alone (key None)
             seed = first.seed if first.seed is not None else random.getrandbits(63)
-            generator = torch.Generator().manual_seed(seed)
+            generator = make_generator(seed, self.model)
         else:
             generator = None  # greedy masked / AR decoding draws nothing
         self.stats["batches"] += 1

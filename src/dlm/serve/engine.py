@@ -14,6 +14,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from dlm.data.prompts import generation_span
 from dlm.errors import DlmError, OptionsError
+from dlm.modeling.device import placement
 from dlm.sampling import load_for_inference, resolve_options
 from dlm.sampling.options import OWNER, ignored, option_name, options_class
 from dlm.serve.protocol import ApiError, ChatRequest, CompletionRequest
@@ -55,8 +56,10 @@ def run_recipe(path: str | Path):
 class Engine:
     """A loaded model (`load_for_inference`), its tokenizer, sampling defaults and limits."""
 
-    def __init__(self, path: str | Path, dtype=None, name: str | None = None, defaults=None, limits: Limits = Limits()):
-        self.model, self.tok = load_for_inference(path, dtype=dtype)
+    def __init__(self, path: str | Path, dtype="auto", name: str | None = None, defaults=None,
+                 limits: Limits = Limits(), device="auto"):
+        self.model, self.tok = load_for_inference(path, dtype=dtype, device=device)
+        self.placement = placement(self.model)  # where it runs: /health and /v1/models say it
         self.spec, self.limits = self.model.spec, limits
         self.family = self.spec.family
         self.name = name or Path(path).expanduser().resolve().name
@@ -80,7 +83,7 @@ class Engine:
         """The model as /v1/models lists it, with dlm's facts a client needs (family, canvas, defaults)."""
         return {"id": self.name, "object": "model", "created": 0, "owned_by": "dlm",
                 "dlm": {"family": self.family, "attention": self.spec.attention, "block_size": self.spec.block_size,
-                        "context": self.context, "sampling_defaults": self.defaults.model_dump(),
+                        "context": self.context, "sampling_defaults": self.defaults.model_dump(), **self.placement,
                         "default_max_tokens": self.default_max_tokens, "max_tokens": self.limits.max_tokens}}
 
     def prepare(self, request: ChatRequest | CompletionRequest) -> Job:
