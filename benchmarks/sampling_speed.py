@@ -200,7 +200,8 @@ def run(args) -> dict:
             for batch_size in args.batch_sizes:  # warm-up (and compilation) at every batch size
                 decode(model, tok, prompts[:batch_size], batch_size, args.max_new_tokens, options)
             row = {"model": str(path), "family": model.spec.family, "attention": model.spec.attention,
-                   "dtype": dtype, "threads": threads, **options, "compiled": compiled,
+                   "device": str(next(model.parameters()).device), "dtype": dtype, "threads": threads, **options,
+                   "compiled": compiled,
                    "warmup_s": time.perf_counter() - t0}
             cases += [{"model": model, "tok": tok, "prompts": prompts, "timer": timer, "options": options,
                        "row": {**row, "batch_size": b}, "runs": []} for b in args.batch_sizes]
