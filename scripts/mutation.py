@@ -12,8 +12,10 @@ functions; in the scratch copy `@torch.no_grad()` and `@contextmanager` are rewr
 function (`f = torch.no_grad()(f)`), which behaves the same and lets the samplers' loops and `EMA.update` be mutated.
 
 Survivors are explained in EXPLAINED below (mutant name -> one line: why it is equivalent, or which test kills it
-now); the doc lists any survivor without an entry as unexplained. Not part of .ci/run: a full run takes ~30 min on
-2 cores. Set OMP_NUM_THREADS=1 and DLM_TEST_THREADS=1 on a shared machine.
+now); the doc lists any survivor without an entry as unexplained, with NOT_EQUIVALENT's note where it has one (a
+dropped device argument: tests/test_device_check.py's fake accelerator sees it on the inference paths, issue 43).
+Not part of .ci/run: a full run takes ~30 min on 2 cores. Set OMP_NUM_THREADS=1 and DLM_TEST_THREADS=1 on a shared
+machine.
 """
 
 from __future__ import annotations
@@ -47,40 +49,48 @@ MODULES: dict[str, list[str]] = {
                            "tests/test_block_decoding.py",
                            "tests/test_flex_attention.py::test_attends_nothing_matches_the_grid",
                            "tests/test_flex_attention.py::test_block_mask_equals_dense_mask_exactly",
-                           "tests/test_flex_attention.py::test_backend_selection"],
+                           "tests/test_flex_attention.py::test_backend_selection", "tests/test_device_check.py"],
     "diffusion/masking.py": ["tests/test_masking.py", "tests/test_paper_constants.py"],
-    "diffusion/policies.py": ["tests/test_policies.py"],
-    "diffusion/simplex.py": ["tests/test_simplex.py", "tests/test_paper_constants.py"],
+    "diffusion/policies.py": ["tests/test_policies.py", "tests/test_device_check.py"],
+    "diffusion/simplex.py": ["tests/test_simplex.py", "tests/test_paper_constants.py", "tests/test_device_check.py"],
     "diffusion/progressive.py": ["tests/test_progressive.py", "tests/test_pu_rules.py",
                                  "tests/test_paper_constants.py", "tests/test_progressive_spec.py",
                                  "tests/test_trajectory_pool_spec.py"],
     "training/trajectories.py": ["tests/test_progressive.py", "tests/test_block_training.py",
                                  "tests/test_trajectory_pool_spec.py"],
-    "sampling/autoregressive.py": ["tests/test_ar_sampler.py"],
+    "sampling/autoregressive.py": ["tests/test_ar_sampler.py", "tests/test_device_check.py"],
     # the masked samplers: each survivor reruns every mapped test, so the maps keep the tests that reach the module's
     # code paths (test_block_decoding's full-canvas-only and block-cache-only tests add minutes, not kills)
     "sampling/masked.py": ["tests/test_masked_sampler.py", *(f"tests/test_block_decoding.py::test_{t}" for t in (
         "uncached_and_cached_match_the_reference", "nfe_counts_and_block_size_from_the_model",
-        "rejects_bad_cache_options", "fast_dllm_matches_its_reference"))],
-    "sampling/block_cache.py": ["tests/test_block_decoding.py"],
+        "rejects_bad_cache_options", "fast_dllm_matches_its_reference")), "tests/test_device_check.py"],
+    "sampling/block_cache.py": ["tests/test_block_decoding.py", "tests/test_device_check.py"],
     "sampling/steps.py": ["tests/test_masked_sampler.py", *(f"tests/test_block_decoding.py::test_{t}" for t in (
         "uncached_and_cached_match_the_reference", "only_the_current_block_is_eligible",
-        "fast_dllm_matches_its_reference"))],
+        "fast_dllm_matches_its_reference")), "tests/test_device_check.py"],
     "sampling/simplex.py": ["tests/test_simplex.py", "tests/test_guidance.py",
-                            "tests/test_simplex_sampler_reference.py", "tests/test_simplex_sampler_spec.py"],
-    "sampling/guidance.py": ["tests/test_guidance.py", "tests/test_guidance_reference.py"],
+                            "tests/test_simplex_sampler_reference.py", "tests/test_simplex_sampler_spec.py",
+                            "tests/test_device_check.py"],
+    "sampling/guidance.py": ["tests/test_guidance.py", "tests/test_guidance_reference.py",
+                             "tests/test_device_check.py"],
+    # the ELBO: test_lm_eval's likelihood tests (not its lm-eval runs) and the fake-accelerator check
+    "evaluation/elbo.py": [*(f"tests/test_lm_eval.py::test_{t}" for t in (
+        "masked_elbo_is_unbiased_against_exact_enumeration", "masked_elbo_is_deterministic_and_independent_of_batching",
+        "ar_loglikelihood_is_exact_and_greedy_flags_the_argmax_continuation", "likelihood_refusals",
+        "mask_counts_are_stratified_and_weighted_by_one_over_t")), "tests/test_device_check.py"],
 }
 
 # mutmut's mutant name -> why it survives (equivalent), or the test that kills it after this issue's changes
 _INT_DTYPE = "dtype=torch.long dropped where torch infers int64 from Python ints anyway: the same tensor"
 _DIM = "dim +1 (or no dim) instead of -1 on a 2-D tensor: the same axis"
-_DEVICE = "a device argument dropped: everything is on the CPU on this machine (not testable without a GPU)"
+_DEVICE = ("a device argument dropped on an inference path: tests/test_device_check.py runs it on a fake accelerator, "
+           "where the CPU tensor fails as on a GPU (issue 43; expected killed on a rerun)")
+_DEVICE_TRAINING = ("a device argument dropped in training (or flex, CUDA-only) code, which the fake-accelerator check "
+                    "does not run: a bug on a GPU that no CPU test sees yet")
 _INF = "float('INF') / float('-INF') parse to the same infinities"
 EXPLAINED: dict[str, str] = {
     "training.ema.x__trainable__mutmut_1": "named_parameters(remove_duplicate=None): None is falsy, as False",
     "data.ul2.x_ul2_mask__mutmut_20": "valid.sum(+1) on the 2-D [B, L] mask sums over dim 1, the same as dim -1",
-    "data.ul2.x_ul2_mask__mutmut_62": "out.to(None) leaves the mask on the CPU: the same on this CPU-only machine "
-                                      "(on a GPU the caller's device check would fail; not testable here)",
     **{f"data.canvas.x_collate__mutmut_{i}": _INT_DTYPE for i in (27, 30, 54, 56, 60, 62)},
     **{f"data.canvas.x_left_pad__mutmut_{i}": _INT_DTYPE for i in (6, 9, 21, 23)},
     **{f"data.canvas.x_pack_documents__mutmut_{i}": _INT_DTYPE for i in (14, 16)},
@@ -96,8 +106,6 @@ EXPLAINED: dict[str, str] = {
     **{f"diffusion.policies.x_threshold__mutmut_{i}": _DIM for i in (10, 18)},
     **{f"diffusion.masking.x_mdm_loss__mutmut_{i}": _DIM for i in (11, 20, 22)},
     **{f"diffusion.masking.x_sample_mask__mutmut_{i}": _DIM for i in (26, 48, 50)},
-    **{f"diffusion.policies.x_confidence_rank__mutmut_{i}": _DEVICE for i in (25, 27)},
-    **{f"diffusion.masking.x_sample_mask__mutmut_{i}": _DEVICE for i in (2, 3, 7, 10, 13, 15, 19, 23)},
     **{f"diffusion.policies.x_confidence_rank__mutmut_{i}": "stable=False/None for the sort by group: torch's CPU "
        "sort keeps ties in order anyway, so the confidence order inside a group survives; an unstable CUDA sort "
        "could break it (not testable on this machine)" for i in (49, 52, 61)},
@@ -115,15 +123,12 @@ EXPLAINED: dict[str, str] = {
                                                     "same values",
     **{f"diffusion.simplex.x_to_simplex__mutmut_{i}": "dtype=torch.float32 dropped: a float fill gives float32 "
        "anyway" for i in (4, 8)},
-    **{f"diffusion.simplex.x_to_simplex__mutmut_{i}": _DEVICE for i in (5, 9)},
     **{f"diffusion.simplex.x_top_p_sample__mutmut_{i}": "the weights handed to multinomial are rescaled per row "
        "(or by a global constant): multinomial normalises them, same distribution" for i in (42, 43, 47)},
     "diffusion.simplex.x_top_p_sample__mutmut_21": "`<=` vs `<` at the nucleus edge: differs only when the "
                                                    "cumulative probability equals top_p exactly in float",
     **{f"sampling.autoregressive.x_pick_tokens__mutmut_{i}": _DIM for i in (12, 22)},
     "sampling.autoregressive.x_pick_tokens__mutmut_4": _DIM,
-    **{f"sampling.autoregressive.x_generate__mutmut_{i}": _DEVICE
-       for i in (12, 15, 25, 28, 32, 35, 40, 44, 124, 128)},
     **{f"sampling.autoregressive.x_generate__mutmut_{i}": _INT_DTYPE for i in (39, 43)},
     **{f"sampling.autoregressive.x_generate__mutmut_{i}": "position ids shifted by a constant per row (or left to "
        "the backbone, which counts from the left padding): invisible to rotary embeddings, the position encoding "
@@ -138,15 +143,8 @@ EXPLAINED: dict[str, str] = {
     "data.canvas.x_collate__mutmut_22": "max(max(lengths), pad_to or 1): every length is >= 1 (the EOS), so the "
                                         "floor of 1 never binds",
     # ---- modeling/blocks.py (add entries below this line) ----
-    **{f"modeling.blocks.x_attends_nothing__mutmut_{i}": _DEVICE for i in (40, 44)},
-    **{f"modeling.blocks.x_block_causal_block_mask__mutmut_{i}": _DEVICE for i in (74, 82)},
-    **{f"modeling.blocks.x_response_blocks__mutmut_{i}": _DEVICE for i in (8, 10)},
     **{f"modeling.blocks.x_response_blocks__mutmut_{i}": _DIM for i in (3, 11)},
     "modeling.blocks.x_attends_nothing__mutmut_33": _DIM,
-    "modeling.blocks.x_block_forward__mutmut_25": _DEVICE,
-    **{f"modeling.blocks.x_block_causal_mask__mutmut_{i}": _DEVICE for i in (27, 30)},
-    **{f"modeling.blocks.x_canvas_blocks__mutmut_{i}": _DEVICE for i in (9, 11, 17, 20)},
-    **{f"modeling.blocks.x.VectorisedLayout.__init____mutmut_{i}": _DEVICE for i in (77, 79, 80)},
     **{f"modeling.blocks.x_block_attention_mask__mutmut_{i}": "auto not told the block ids' device, so it reads it "
        "as the CPU: the same on this CPU-only machine (on CUDA auto would pick dense instead of flex; not testable "
        "without a GPU)" for i in (5, 7)},
@@ -202,10 +200,7 @@ EXPLAINED: dict[str, str] = {
     # ---- end progressive/trajectories ----
     #
     # ---- sampling/masked.py, sampling/block_cache.py, sampling/steps.py (add entries below this line) ----
-    **{f"sampling.steps.x_record_step__mutmut_{i}": _DEVICE for i in (5, 8, 11, 13)},
-    **{f"sampling.steps.x.Progress.__init____mutmut_{i}": _DEVICE for i in (12, 15)},
     "sampling.steps.x.Progress.working__mutmut_6": _DIM,
-    **{f"sampling.block_cache.x__padding_mask__mutmut_{i}": _DEVICE for i in (7, 13)},
     **{f"sampling.block_cache.x__padding_mask__mutmut_{i}": "the additive mask built in float32 instead of the "
        "model's dtype: its 0 and finfo(dtype).min are exact in float32 and the attention adds it to scores in the "
        "query's dtype (checked on a bf16 model: same tokens and NFE)" for i in (6, 12)},
@@ -215,8 +210,6 @@ EXPLAINED: dict[str, str] = {
        "passed: the backbone fills a given cache either way (transformers 5.24)" for i in (41, 47, 55, 171, 177, 179)},
     **{f"sampling.block_cache.x_decode_fast_dllm__mutmut_{i}": "align=None instead of False: falsy, the same raw "
        "outputs" for i in (42, 172)},
-    **{f"sampling.block_cache.x_decode_block_causal__mutmut_{i}": _DEVICE for i in (11, 16, 69, 71)},
-    **{f"sampling.masked.x_decode__mutmut_{i}": _DEVICE for i in (7, 9, 23, 28, 65, 69, 73, 76)},
     "sampling.masked.x_decode__mutmut_15": "max(gen_length, 2) as the one block's size: differs only for gen_length "
                                            "<= 1, where arange(G) // 1 and // 2 are the same",
     "sampling.masked.x_decode__mutmut_45": "getattr default None instead of False: bool() of either is False",
@@ -244,7 +237,6 @@ EXPLAINED: dict[str, str] = {
     "sampling.block_cache.x_decode_block_causal__mutmut_217": "`<=`: the step's rows, mask, positions, carry and "
                                                               "cache are also narrowed when every row goes on, to "
                                                               "themselves (a copy, the same values)",
-    **{f"sampling.block_cache.x_decode_block_causal__mutmut_{i}": _DEVICE for i in (125, 130)},
     "sampling.block_cache.x_decode_block_causal__mutmut_121": "a zero carry built for a model without a carry: "
                                                               "_forward never passes it on (no in_block)",
     **{f"sampling.block_cache.x_decode_block_causal__mutmut_{i}": "a block's first-step zero carry built in "
@@ -264,7 +256,6 @@ EXPLAINED: dict[str, str] = {
 
     # masked.generate, mutants past the partial run (the whole module ran at the end of the session)
     **{f"sampling.masked.x_generate__mutmut_{i}": _INT_DTYPE for i in (101, 105)},
-    **{f"sampling.masked.x_generate__mutmut_{i}": _DEVICE for i in (85, 88, 102, 106, 116, 120)},
     **{f"sampling.masked.x_generate__mutmut_{i}": "the appended attention-mask columns are float, so torch.cat "
        "promotes the mask (and the positions from its cumsum) to float 0/1 and whole numbers: the backbone reads "
        "the same values" for i in (115, 119)},
@@ -272,11 +263,14 @@ EXPLAINED: dict[str, str] = {
                                               "moves by the same +2 (pads are masked), invisible to rotary "
                                               "embeddings (llama, mistral, qwen2)",
     "sampling.masked.x_generate__mutmut_126": _DIM,
+    **{f"sampling.steps.x_first_index__mutmut_{i}": "device dropped in the empty-region branch (G = 0, max_new_tokens "
+       "0): those zeros only meet first_index's other results, never a model tensor, so no device meets another on a "
+       "GPU either (checked on the fake accelerator: masked, block-causal and Fast-dLLM decoding with 0 new tokens "
+       "run through)" for i in (8, 11)},
     **{f"sampling.masked.x_generate__mutmut_{i}": "getattr(spec, 'carry', default): ModelSpec always has a `carry` "
        "field (default False), so the default is never read" for i in (39, 45)},
     **{f"sampling.steps.x_first_index__mutmut_{i}": "+1 instead of -1 for the axis (or shape[:+1] for [:-1]): "
        "first_index is only called on [B, G] regions, where both name the same axis" for i in (2, 12, 21, 24)},
-    **{f"sampling.steps.x_first_index__mutmut_{i}": _DEVICE for i in (8, 11)},
     # ---- end sampling masked/block_cache/steps ----
     #
     # ---- sampling/simplex.py, sampling/guidance.py (add entries below this line) ----
@@ -286,13 +280,6 @@ EXPLAINED: dict[str, str] = {
        "(pads are masked), invisible to rotary embeddings, the position encoding of every supported architecture "
        "(llama, mistral, qwen2)" for f, i in (("reward_guidance", 15), ("reward_guidance", 22),
                                               ("reward_of_logits", 32), ("reward_of_logits", 37))},
-    **{f"sampling.simplex.x_generate__mutmut_{i}": _DEVICE for i in (36, 39, 56, 60, 70, 74, 88, 92, 100, 104, 110,
-                                                                     118, 122, 128, 132, 136, 139, 143, 146, 150,
-                                                                     153, 175, 178, 270, 295, 298)},
-    **{f"sampling.simplex.x__noise__mutmut_{i}": _DEVICE for i in (5, 8, 11)},
-    **{f"sampling.simplex.x__noise__mutmut_{i}": "randn's device left to the default (the CPU) instead of the "
-       "generator's: the same on this CPU-only machine (a CUDA generator would fail; not testable without a GPU)"
-       for i in (1, 2)},
     **{f"sampling.simplex.x_generate__mutmut_{i}": _INT_DTYPE for i in (55, 59, 127, 131)},
     **{f"sampling.simplex.x_generate__mutmut_{i}": "the appended attention-mask column is float, so torch.cat "
        "promotes the mask (and the position ids counted from it) to float 0/1 and whole numbers: the backbone reads "
@@ -322,6 +309,38 @@ EXPLAINED: dict[str, str] = {
     # ---- end sampling simplex/guidance ----
 }
 
+# mutant -> why a survivor of the run above is *not* equivalent (listed as surviving, with this note). Device mutants
+# were counted equivalent until issue 43 ("everything is on the CPU here"); they are real bugs on a GPU, and
+# tests/test_device_check.py now runs the inference paths on a fake accelerator where they fail as on a GPU.
+NOT_EQUIVALENT: dict[str, str] = {
+    **{f"diffusion.policies.x_confidence_rank__mutmut_{i}": _DEVICE for i in (25, 27)},
+    **{f"diffusion.simplex.x_to_simplex__mutmut_{i}": _DEVICE for i in (5, 9)},
+    **{f"sampling.autoregressive.x_generate__mutmut_{i}": _DEVICE
+       for i in (12, 15, 25, 28, 32, 35, 40, 44, 124, 128)},
+    "modeling.blocks.x_block_forward__mutmut_25": _DEVICE,
+    **{f"modeling.blocks.x_block_causal_mask__mutmut_{i}": _DEVICE for i in (27, 30)},
+    **{f"modeling.blocks.x_canvas_blocks__mutmut_{i}": _DEVICE for i in (9, 11, 17, 20)},
+    **{f"modeling.blocks.x.VectorisedLayout.__init____mutmut_{i}": _DEVICE for i in (77, 80)},
+    **{f"sampling.steps.x_record_step__mutmut_{i}": _DEVICE for i in (5, 8, 11, 13)},
+    **{f"sampling.steps.x.Progress.__init____mutmut_{i}": _DEVICE for i in (12, 15)},
+    **{f"sampling.block_cache.x__padding_mask__mutmut_{i}": _DEVICE for i in (7, 13)},
+    **{f"sampling.block_cache.x_decode_block_causal__mutmut_{i}": _DEVICE for i in (11, 16, 69, 71, 125, 130)},
+    **{f"sampling.masked.x_decode__mutmut_{i}": _DEVICE for i in (7, 9, 23, 28, 65, 69, 73, 76)},
+    **{f"sampling.masked.x_generate__mutmut_{i}": _DEVICE for i in (85, 88, 102, 106, 116, 120)},
+    **{f"sampling.simplex.x_generate__mutmut_{i}": _DEVICE for i in (36, 39, 56, 60, 70, 74, 88, 92, 100, 104, 110,
+                                                                     118, 122, 128, 132, 136, 139, 143, 146, 150,
+                                                                     153, 175, 178, 270, 295, 298)},
+    **{f"sampling.simplex.x__noise__mutmut_{i}": _DEVICE for i in (1, 2, 5, 8, 11)},  # 1, 2: randn off the generator's
+    # device: the fake accelerator's generator refuses a CPU draw, as a CUDA generator does
+    "data.ul2.x_ul2_mask__mutmut_62": _DEVICE_TRAINING,
+    **{f"diffusion.masking.x_sample_mask__mutmut_{i}": _DEVICE_TRAINING for i in (2, 3, 7, 10, 13, 15, 19, 23)},
+    **{f"modeling.blocks.x_attends_nothing__mutmut_{i}": _DEVICE_TRAINING for i in (40, 44)},  # the flex BlockMask
+    **{f"modeling.blocks.x_block_causal_block_mask__mutmut_{i}": _DEVICE_TRAINING for i in (74, 82)},
+    **{f"modeling.blocks.x_response_blocks__mutmut_{i}": _DEVICE_TRAINING for i in (8, 10)},
+    # noised_at is read only with return_hidden (training); the ELBO's block_forward reads pred_at (mutant 80)
+    "modeling.blocks.x.VectorisedLayout.__init____mutmut_79": _DEVICE_TRAINING,
+}
+
 DECORATORS = {"torch.no_grad()", "contextmanager"}
 KILLERS = False
 
@@ -342,9 +361,20 @@ Notes on reading the table:
   absent there, so the difference is what the new and strengthened tests catch. The "before" of training/ema.py
   already includes `test_training.py::test_ema_and_final_model`, the only EMA test before.
 - "equivalent" counts survivors explained as behaviour-preserving in `EXPLAINED` (scripts/mutation.py), each with
-  its reason below; "after, non-equivalent" = (killed + timeout) / (mutants - equivalent). Mutants that only drop a
-  `device=` argument are counted as equivalent because this machine has no GPU: they are not testable here, and a
-  run on a GPU machine should revisit them.
+  its reason below; "after, non-equivalent" = (killed + timeout) / (mutants - equivalent). Mutants that drop a
+  device argument are not equivalent: until issue 43 they were counted so ("everything is on the CPU on this
+  machine"); now they are listed as survivors with a note (`NOT_EQUIVALENT`). On the inference paths (the samplers,
+  the helpers they call in modeling/blocks.py, diffusion/policies.py and diffusion/simplex.py, and the ELBO)
+  `tests/test_device_check.py` runs the models on a fake accelerator, where a tensor made without `device=` (or a
+  generator of the wrong device) fails as on a GPU, and it is in those modules' test map: a rerun is expected to
+  kill them. sampling/steps.py was rerun with it (2026-12-06, 9 min, the same machine): its six device mutants,
+  counted equivalent before, are killed; its 19 unexplained survivors are in the proposal trace added since the
+  first run (`record_step`'s proposed fields, passed on by `Progress.record`), which tests/test_trace.py reads but
+  the module's map does not run. mutmut was not rerun over the other modules: their rows are the earlier runs
+  re-rendered with the new rule (`--report-only`), so their "equivalent" column lost the device mutants and "after,
+  non-equivalent" fell with it; evaluation/elbo.py is mapped and not run yet. Device mutants in training code
+  (diffusion/masking.py's sample_mask, the UL2 mask, modeling/blocks.py's training-only and flex helpers) stay
+  survivors: no CPU test runs them on a device yet.
 - Where each "after" comes from: the modules of the first session from that session's run; blocks, progressive,
   trajectories, simplex and guidance from the last run on the branch that worked on them (the merged tree has the
   same module source and the same mapped tests; other branches only added tests elsewhere); masked, block_cache and
@@ -541,6 +571,8 @@ def write_report(results: list[dict], before: dict[str, dict], path: Path, comma
             diff = r["survivors"].get(name) or b.get("survivors", {}).get(name, "")
             if name in r["survivors"]:
                 why = "equivalent: " + EXPLAINED[short(name)] if short(name) in EXPLAINED else "**survives**"
+                if short(name) in NOT_EQUIVALENT:
+                    why += ", not equivalent: " + NOT_EQUIVALENT[short(name)]
             else:
                 why = "killed after" + (f" by {r['killers'][name]}" if name in r.get("killers", {}) else "")
             lines += [f"- `{short(name)}`: {why}", "  ```diff", *("  " + d for d in diff.splitlines()), "  ```"]

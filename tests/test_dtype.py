@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from dlm.errors import DlmError
-
 from dlm.modeling.build import cast_model
 from dlm.modeling.carry import CARRY_MODULE
 from dlm.modeling.simplex import TIMESTEP_EMBEDDING
