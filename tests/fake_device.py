@@ -9,20 +9,24 @@ allowed, as CUDA allows them). A draw whose generator is on the other side from 
 'cuda' device type for generator"; `dlm.modeling.device.make_generator(seed, model)` gives a generator of the fake
 device, and draws from a CPU generator on CPU tensors are recorded (`Check.cpu_draws`). Attention (without grad)
 takes the CPU's kernel, so the numbers equal the CPU's. `.tolist()`, `.item()`, `bool()` and `.cpu()` work as on a GPU;
-`.numpy()` refuses, as CUDA does.
+`.numpy()` refuses, as CUDA does. Training: `to_accelerator(model, trainable=True)` keeps `requires_grad`, gradients
+land on the fake device (their data in `.grad.inner`); under autograd attention takes torch's math fallback, and
+activation checkpointing recomputes under the check.
 """
 
 from __future__ import annotations
 
 import sys
 import traceback
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
+from torch.utils import checkpoint as torch_checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
@@ -176,8 +180,10 @@ def _caller() -> str:
     return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
 
 
-def to_accelerator(model: nn.Module) -> nn.Module:
-    """Move `model`'s parameters and buffers (tied ones once) to the fake device, in place; returns it."""
+def to_accelerator(model: nn.Module, trainable: bool = False) -> nn.Module:
+    """Move `model`'s parameters and buffers (tied ones once) to the fake device, in place; returns it. With
+    `trainable` the parameters keep their `requires_grad` (training: gradients land on the fake device, their data
+    in `.grad.inner`); else none requires grad."""
     moved: dict[int, torch.Tensor] = {}
     for module in model.modules():
         for table in (module._parameters, module._buffers):
@@ -186,7 +192,8 @@ def to_accelerator(model: nn.Module) -> nn.Module:
                     continue
                 if id(t) not in moved:
                     inner = OnAccelerator(t.detach())
-                    moved[id(t)] = nn.Parameter(inner, requires_grad=False) if table is module._parameters else inner
+                    moved[id(t)] = (nn.Parameter(inner, requires_grad=trainable and t.requires_grad)
+                                      if table is module._parameters else inner)
                 table[name] = moved[id(t)]
     return model
 
@@ -207,9 +214,38 @@ def fake_accelerator():
     check = Check()
     for m in holders:
         m.make_generator = make_generator
+    # the device module torch.utils.checkpoint looks up (torch.cuda on a GPU): no RNG state of its own to stash, the
+    # fake device's draws come from CPU generators
+    stand_in = not hasattr(torch, FAKE.type)
+    if stand_in:
+        setattr(torch, FAKE.type, SimpleNamespace(_initialized=False))
+    without_check = torch_checkpoint._checkpoint_without_reentrant_generator
+    torch_checkpoint._checkpoint_without_reentrant_generator = _recomputing_under(check, without_check)
     try:
         with _Functions(check), _Dispatch():
             yield check
     finally:
         for m in holders:
             m.make_generator = original
+        torch_checkpoint._checkpoint_without_reentrant_generator = without_check
+        if stand_in:
+            delattr(torch, FAKE.type)
+
+
+def _recomputing_under(check: Check, generator):
+    """Non-reentrant activation checkpointing whose recomputation runs under the check: the autograd engine runs a
+    device's backward on its own thread, where the check's modes (thread-local) are off."""
+    def checkpointed(fn, preserve_rng_state, context_fn, *args, **kwargs):
+        def contexts():
+            forward, recompute = context_fn()
+            return forward, _entered(recompute, _Functions(check), _Dispatch())
+        return generator(fn, preserve_rng_state, contexts, *args, **kwargs)
+    return checkpointed
+
+
+@contextmanager
+def _entered(*contexts):
+    with ExitStack() as stack:
+        for c in contexts:
+            stack.enter_context(c)
+        yield
