@@ -85,9 +85,9 @@ _INT_DTYPE = "dtype=torch.long dropped where torch infers int64 from Python ints
 _DIM = "dim +1 (or no dim) instead of -1 on a 2-D tensor: the same axis"
 _DEVICE = ("a device argument dropped on an inference path: tests/test_device_check.py runs it on a fake accelerator, "
            "where the CPU tensor fails as on a GPU (issue 43; expected killed on a rerun)")
-_DEVICE_TRAINING = ("a device argument dropped in CPU-side training code (UL2 spans, masks, block ids, drawn on the CPU "
-                    "and moved) or flex (CUDA-only) code: tests/test_device_check_training.py runs the objectives on "
-                    "the fake accelerator, but these tensors are moved explicitly or never reach it; not rerun")
+_DEVICE_TRAINING = ("a device argument dropped in CPU-side training code (UL2 spans, masks, block ids: drawn on "
+                    "the CPU and moved) or flex (CUDA-only) code: tests/test_device_check_training.py runs the "
+                    "objectives on the fake accelerator, but these tensors are moved explicitly or never reach it")
 _INF = "float('INF') / float('-INF') parse to the same infinities"
 EXPLAINED: dict[str, str] = {
     "training.ema.x__trainable__mutmut_1": "named_parameters(remove_duplicate=None): None is falsy, as False",
