@@ -137,3 +137,19 @@ def test_pass_at_k_with_samples_and_the_cli(saved, tmp_path, capsys):
     assert "pass@1" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["eval", str(saved["masked"]), "--task", "humaneval", "--n", "1", "--pass-k", "5"])  # k > n samples
+
+
+def test_the_sampled_lm_eval_task_runs_end_to_end_and_grades_every_repeat(saved, tmp_path):
+    """dlm_humaneval_sampled through lm-eval itself: each problem's 20 sampled completions all reach the grader
+    (lm-eval's default filter kept only the first, and pass@10 of one completion was an error)."""
+    pytest.importorskip("lm_eval")
+    from dlm.evaluation.lm_eval import run_lm_eval
+
+    r = run_lm_eval(saved["masked"], "dlm_humaneval_sampled", n=1, max_new_tokens=6, batch_size=20, seed=3,
+                    samples=tmp_path / "s.jsonl")
+    metrics = r["results"]["dlm_humaneval_sampled"]
+    assert 0.0 <= metrics["pass@1,none"] <= 1.0 and 0.0 <= metrics["pass@10,none"] <= 1.0
+    (line,) = [json.loads(x) for x in open(tmp_path / "s.jsonl")]
+    completions = line["generation"][0]
+    assert len(completions) == 20 and all(isinstance(c, str) for c in completions)
+    assert line["nfe"] > 0 and r["device"] == "cpu"

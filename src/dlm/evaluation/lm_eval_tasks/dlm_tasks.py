@@ -67,4 +67,5 @@ def humaneval_pass_at_1(doc: dict, results: list[str]) -> dict:
 
 def humaneval_pass_at_1_10(doc: dict, results: list[str]) -> dict:
     """pass@1 and pass@10 (unbiased estimator) of the doc's completions; needs at least 10 (repeats)."""
-    return _pass_at(doc, results, (1, 10))
+    completions = results[0] if results and isinstance(results[0], list) else results  # take_first_k: one list
+    return _pass_at(doc, completions, (1, 10))
