@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# One unattended GPU check, sized for <= 15 minutes on one H200: MFU (MDM, PU W=2), peak memory at PU W=1/2/4/8 with
-# and without train.activation_checkpointing, flex vs dense block masks, block decoding vs AR tokens/s. Each part has a
-# hard time cap and writes its JSON under $OUT (default ./gpu_check_out) as it finishes. See benchmarks/gpu_check.py.
-# Without CUDA it says so and exits 0. --smoke: every part at toy size (CPU is fine), for the test suite.
+# The GPU acceptance test of dlm, at most 10 minutes on one H100/H200, no network: every command that runs a model
+# (convert, generate, eval incl. humaneval, lm-eval, serve, train incl. LoRA and PU, export --merge) on the GPU,
+# asserted against the CPU (greedy fp32 identical, bf16 within stated tolerances), then MFU, peak memory, flex vs
+# dense block attention and sampling speed. Each part has a hard time cap and writes its JSON under $OUT (default
+# ./gpu_check_out) as it finishes; the exit status is 0 only when every part passed. See benchmarks/gpu_check.py and
+# docs/guides/multi-gpu.md. Without CUDA it says so and exits 0. --smoke: every part at toy size on the CPU.
 #   bash benchmarks/gpu_check.sh
 #   OUT=/tmp/gpu_check bash benchmarks/gpu_check.sh --smoke
 set -euo pipefail
@@ -13,5 +15,5 @@ if [ -z "$PY" ]; then
   if [ -x "$ROOT/.venv/bin/python" ]; then PY="$ROOT/.venv/bin/python"; else PY="python3"; fi
 fi
 export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}"
-export HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}"
+export HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}" HF_DATASETS_OFFLINE="${HF_DATASETS_OFFLINE:-1}"
 exec "$PY" "$ROOT/benchmarks/gpu_check.py" --out "$OUT" "$@"
