@@ -55,6 +55,7 @@ def summarise(rounds: dict[str, list[dict]]) -> list[dict]:
         table.append({**{n: row.get(n) for n in KEY}, "family": row["family"], "before_tokens_per_s": before_s,
                       "after_tokens_per_s": after_s, "ratio": after_s / before_s,
                       "before_rounds": speeds["before"], "after_rounds": speeds["after"],
+                      "round_ratios": [x / y for x, y in zip(speeds["after"], speeds["before"])],
                       "same_outcomes": row.get("correct") == after.get("correct")
                       and row["mean_nfe"] == after["mean_nfe"],
                       "accuracy": after["accuracy"], "mean_nfe": after["mean_nfe"]})
@@ -65,14 +66,14 @@ def markdown(summary: list[dict], meta: dict) -> str:
     lines = [f"Command: `{meta['command']}`  ", f"Date: {meta['date']}; machine: {meta['machine']}; rounds: "
              f"{meta['rounds']} (before and after alternating; medians)", "",
              "| model | dtype | threads | setting | batch | before tok/s | after tok/s | after / before "
-             "| same outcomes |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| per round (after / the before just ahead of it) | same outcomes |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in summary:
         setting = "AR (KV cache)" if r["family"] == "autoregressive" else \
             f"{r['policy']} τ={r['confidence_threshold']}" if r["policy"] == "threshold" else f"{r['policy']}"
         lines.append(f"| {Path(r['model']).name} | {r['dtype']} | {r['threads']} | {setting} | {r['batch_size']} | "
                      f"{r['before_tokens_per_s']:.0f} | {r['after_tokens_per_s']:.0f} | {r['ratio']:.2f} | "
-                     f"{'yes' if r['same_outcomes'] else 'no'} |")
+                     f"{', '.join(f'{x:.2f}' for x in r['round_ratios'])} | {'yes' if r['same_outcomes'] else 'no'} |")
     return "\n".join(lines) + "\n"
 
 
@@ -82,9 +83,18 @@ def main() -> None:
     ap.add_argument("--after", default=str(ROOT), help="the code after it (default: this checkout)")
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (default: 3)")
     ap.add_argument("--out", required=True, help="JSON path; the table (.md) goes beside it")
+    ap.add_argument("--report-only", action="store_true", help="re-render --out's table from its JSON, run nothing")
     ap.add_argument("args", nargs=argparse.REMAINDER, help="after --: sampling_speed.py's flags (not --out)")
     a = ap.parse_args()
     args = a.args[1:] if a.args[:1] == ["--"] else a.args
+    out = Path(a.out)
+    if a.report_only:
+        saved = json.loads(out.read_text())
+        summary = summarise(saved["runs"])
+        out.write_text(json.dumps({**saved, "summary": summary}, indent=1) + "\n")
+        out.with_suffix(".md").write_text(markdown(summary, saved))
+        print(out.with_suffix(".md").read_text())
+        return
     trees = {"before": Path(a.before).resolve(), "after": Path(a.after).resolve()}
     rounds: dict[str, list[dict]] = {"before": [], "after": []}
     with tempfile.TemporaryDirectory() as tmp:
@@ -92,12 +102,11 @@ def main() -> None:
             for side, tree in trees.items():
                 print(f"round {r + 1}/{a.rounds}: {side} ({tree})", flush=True)
                 rounds[side].append(run_tree(tree, args, Path(tmp) / f"{side}-{r}.json"))
-    meta = {"command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+    meta = {"command": " ".join(["python", Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
             "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
             "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, Python {platform.python_version()}",
             "rounds": a.rounds, "trees": {k: str(v) for k, v in trees.items()}}
     summary = summarise(rounds)
-    out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({**meta, "summary": summary, "runs": rounds}, indent=1) + "\n")
     out.with_suffix(".md").write_text(markdown(summary, meta))
