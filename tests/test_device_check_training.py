@@ -318,7 +318,7 @@ def _plants():
         # CPU-side noise or pool state not moved to the model's device
         "mdm_masks": (mdm.MDMObjective, "plan", ("masked.to(device), t.to", "masked, t.to"), "mdm"),
         "block_mdm_levels": (block_mdm.BlockMDMObjective, "plan", ("level.to(device)", "level"), "block_mdm"),
-        "simplex_epsilon": (simplex.SimplexObjective, "loss", ("vocab).to(device)", "vocab)"),
+        "simplex_epsilon": (simplex.SimplexObjective, "loss", ("L, vocab, device)", "L, vocab)"),
                             "simplex_self_conditioned"),
         "pu_canvas": (P, "loss", ("pool.canvas[rows, :width].to(device)", "pool.canvas[rows, :width]"),
                       "straight_through"),
@@ -362,7 +362,7 @@ CPU_BY_DESIGN = {  # per-example noise, the PU pool's side and per-batch choices
     "block_mdm.py": {"sample_block_mask"},
     "progressive.py": {"__init__", "plan", "_next_rows", "_end_window", "drop_carry", "gumbel_noise",
                        "loss: torch.rand(len(rows), width, generator=g)"},  # student forcing: the pool's commits
-    "simplex.py": {"plan", "epsilon"},
+    "simplex.py": {"plan"},
 }
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from dlm.modeling.device import make_generator
+
 _MASK64 = (1 << 64) - 1
 
 
@@ -20,9 +22,10 @@ def mix(*values: int) -> int:
     return x >> 1
 
 
-def row_generators(seed: int, stream: int, example_id: torch.Tensor) -> list[torch.Tensor]:
-    """One CPU generator per row of a batch, from `example_id` [B] (global stream positions, `BatchStream`)."""
-    return [torch.Generator().manual_seed(mix(seed, stream, i)) for i in example_id.tolist()]
+def row_generators(seed: int, stream: int, example_id: torch.Tensor, device="cpu") -> list[torch.Generator]:
+    """One generator per row of a batch, from `example_id` [B] (global stream positions, `BatchStream`), on `device`
+    (the CPU for the small draws, which are then the same on any machine)."""
+    return [make_generator(mix(seed, stream, i), device) for i in example_id.tolist()]
 
 
 def batch_generator(seed: int, stream: int, update: int) -> torch.Generator:
@@ -52,8 +55,8 @@ class ExampleNoise:
         self.direct += n
         return torch.arange(self.direct - n, self.direct)
 
-    def generators(self, ids: torch.Tensor, salt: int) -> list[torch.Generator]:
-        return row_generators(self.seed, salt, ids)
+    def generators(self, ids: torch.Tensor, salt: int, device="cpu") -> list[torch.Generator]:
+        return row_generators(self.seed, salt, ids, device)
 
     def width(self, length: int) -> int:
         return max(self.max_length, length)

@@ -90,7 +90,7 @@ class SimplexObjective:
         device, t, generating, in_loss = ids.device, plan["t"], plan["generating"], plan["in_loss"]
         vocab = getattr(model, "module", model).backbone.get_input_embeddings().weight.shape[0]
         L = ids.shape[1]
-        z = self.epsilon(plan["example_id"], L, vocab).to(device)
+        z = self.epsilon(plan["example_id"], L, vocab, device)
         s0 = to_simplex(ids, vocab, self.k)
         s_t = noise_simplex(s0, self.alpha_bar[t].to(device), z, self.k)  # TESS 2 Eq. 2
         kwargs = dict(attention_mask=batch["attention_mask"])
@@ -107,10 +107,12 @@ class SimplexObjective:
                    f"ul2/{plan['strategy']}": 1.0, "generated_share": float(generating.float().mean())}
         return ce, in_loss.sum(), metrics
 
-    def epsilon(self, example_id: torch.Tensor, length: int, vocab: int) -> torch.Tensor:
-        """ε [B, length, vocab] ~ N(0, I) of TESS 2 Eq. 2, each row from its example's own generator."""
-        return torch.stack([torch.randn(self.noise.width(length), vocab, generator=g)[:length]
-                            for g in self.noise.generators(example_id, salt=4)])
+    def epsilon(self, example_id: torch.Tensor, length: int, vocab: int, device="cpu") -> torch.Tensor:
+        """ε [B, length, vocab] ~ N(0, I) of TESS 2 Eq. 2, each row from its example's own generator, made on
+        `device` (the model's): a vocabulary-sized draw is not made on the CPU and copied every update. Split
+        invariance holds on any device; a CUDA generator's stream differs from the CPU's for the same seed."""
+        return torch.stack([torch.randn(self.noise.width(length), vocab, generator=g, device=device)[:length]
+                            for g in self.noise.generators(example_id, salt=4, device=device)])
 
     def state_dict(self) -> dict:
         return self.noise.state_dict()
