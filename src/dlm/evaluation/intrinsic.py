@@ -17,6 +17,7 @@ import torch
 from dlm.data.canvas import collate, make_example
 from dlm.data.tokenizer import encode_pair
 from dlm.errors import DlmError
+from dlm.modeling.device import model_device
 from dlm.modeling.reward import last_token_index
 
 
@@ -44,7 +45,7 @@ def unigram_entropy(token_lists: Sequence[Sequence[int]]) -> float:
 @torch.inference_mode()
 def _score(model, tok, prompts: Sequence[str], responses: Sequence[str], batch_size: int):
     """(summed NLL of response + EOS, token count, final hidden state at the EOS) under a causal LM, per sample."""
-    max_length, device = model.config.max_position_embeddings, next(model.parameters()).device
+    max_length, device = model.config.max_position_embeddings, model_device(model)
     nll, count, feats = [], [], []
     for start in range(0, len(prompts), batch_size):
         exs = [make_example(*encode_pair(tok, p, r), max_length)

@@ -49,11 +49,11 @@ MODEL_ARGS = ("pretrained", "dtype", "batch_size", "max_batch_size", "device", "
 @register_model("dlm")
 class DlmLM(LM):
     """lm-eval's LM interface over a dlm model. Model args: pretrained (run/model/checkpoint directory), dtype
-    (float32, bfloat16), batch_size, device, seed, mc_num (ELBO masks per request), max_gen_toks (when a request
-    does not say), add_bos_token, truncate_prompts (keep a too-long context's end; default true), and any sampling
-    option by its field or short name (policy, u, tau, block_size, kv_cache, cache, steps, top_p, ...). device and
-    dtype resolve as every dlm command's (`dlm.modeling.device`): auto, the default, is the GPU in bfloat16 where
-    there is one, else the CPU in float32; lm-eval's --device reaches `device`."""
+    (auto, float32, bfloat16, float16), batch_size, device, seed, mc_num (ELBO masks per request), max_gen_toks
+    (when a request does not say), add_bos_token, truncate_prompts (keep a too-long context's end; default true), and
+    any sampling option by its field or short name (policy, u, tau, block_size, kv_cache, cache, steps, top_p, ...).
+    device and dtype resolve as every dlm command's (`dlm.modeling.device`): auto, the default, is the GPU in
+    bfloat16 where there is one, else the CPU in float32; lm-eval's --device reaches `device`."""
 
     def __init__(self, pretrained: str | Path, dtype: str | None = "auto", batch_size: int | str = 8,
                  max_batch_size: int | None = None, device: str | None = None, seed: int = 0, mc_num: int = 128,
@@ -67,11 +67,10 @@ class DlmLM(LM):
         if isinstance(values, dict):
             parse_settings(values)  # each value in range; whether the model's family takes it: below
         self.model, self.tok = load_for_inference(pretrained, dtype=dtype or "auto", device=device or "auto")
-        self.placement = placement(self.model)
-        self.device_name = self.placement["device"]
+        self.placement = placement(self.model)  # device, dtype, device name, threads: recorded in the results
         self.family = self.model.spec.family
         self.options = resolve_options(self.family, values)
-        self.pretrained, self.dtype = str(pretrained), self.placement["dtype"]
+        self.pretrained = str(pretrained)
         self.stats: dict = defaultdict(lambda: {"requests": 0, "nfe": 0, "tokens": 0, "seconds": 0.0})
         self.request_nfe: dict = defaultdict(int)  # (task, doc_id) -> NFE summed over the doc's requests
         self.truncated = 0

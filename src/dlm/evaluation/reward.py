@@ -10,6 +10,7 @@ import torch
 
 from dlm.data.canvas import collate, make_example
 from dlm.data.tokenizer import encode_pair
+from dlm.modeling.device import model_device
 from dlm.modeling.reward import last_token_index, reward_scores
 
 
@@ -18,7 +19,7 @@ def score_texts(model, tok, prompts: Sequence[str], responses: Sequence[str], ba
                 max_length: int | None = None) -> list[float]:
     """R(x, y) for each (prompt, response): the reward head at the response's EOS."""
     max_length = max_length or model.config.max_position_embeddings
-    device = next(model.parameters()).device
+    device = model_device(model)
     out: list[float] = []
     for start in range(0, len(prompts), batch_size):
         exs = [make_example(*encode_pair(tok, p, r), max_length)

@@ -67,8 +67,8 @@ def generate_text(model_path, prompts: Sequence[str], options=None, *, max_new_t
     as for `generate`, except that options of another family than the model's give its defaults (the CLI's one set of
     flags serves any model). With `show_steps` a masked model's denoising is rendered step by step in the terminal
     (TESS 2 Fig. 4 style). `device` and `dtype` place the model (`load_for_inference`); the sampling generator lives
-on that device. A prompt
-    longer than the model's context is refused, or with `truncate_prompts` keeps its end (`dlm.data.prompts`)."""
+    on that device. A prompt longer than the model's context is refused, or with `truncate_prompts` keeps its end
+    (`dlm.data.prompts`)."""
     from dlm.data.prompts import encode_prompts
     from dlm.modeling.device import make_generator
 
