@@ -6,8 +6,8 @@ rounds, their ratio, and whether both decoded the same tokens (greedy: they must
 decoding).
 
     git worktree add /tmp/before <commit>
-    python benchmarks/before_after.py --before /tmp/before --rounds 3 --out docs/results/x.json -- \\
-        --ar runs/demo/ar --masked runs/demo/mdm --n 100 --max-new-tokens 40 --batch-sizes 1,16 --threads 1,2
+    python benchmarks/before_after.py --before /tmp/before --rounds 3 --out docs/results/x.json \\
+        --speed-args="--ar runs/demo/ar --masked runs/demo/mdm --n 100 --max-new-tokens 40 --batch-sizes 1,16"
 
 Writes JSON (every round's rows, the summary, command, machine, date) and a markdown table beside it (.md).
 """
@@ -19,6 +19,7 @@ import datetime
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -78,15 +79,21 @@ def markdown(summary: list[dict], meta: dict) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from sampling_speed import build_parser as speed_parser  # this script's folder is on sys.path
+
+    flags = speed_parser(description=None).format_help().split("\n", 1)[1]  # its options, without its usage line
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="the flags --speed-args passes to sampling_speed.py (its --out is set here):\n"
+                                 + flags)
     ap.add_argument("--before", required=True, help="a checkout of the code before the change (e.g. a git worktree)")
     ap.add_argument("--after", default=str(ROOT), help="the code after it (default: this checkout)")
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (default: 3)")
     ap.add_argument("--out", required=True, help="JSON path; the table (.md) goes beside it")
     ap.add_argument("--report-only", action="store_true", help="re-render --out's table from its JSON, run nothing")
-    ap.add_argument("args", nargs=argparse.REMAINDER, help="after --: sampling_speed.py's flags (not --out)")
+    ap.add_argument("--speed-args", metavar="'FLAGS'",
+                    help="sampling_speed.py's flags as one quoted string (not --out), e.g. --speed-args=\"--ar "
+                    "runs/demo/ar --n 60 --policy threshold --tau 0.9\" (see benchmarks/sampling_speed.py --help)")
     a = ap.parse_args()
-    args = a.args[1:] if a.args[:1] == ["--"] else a.args
     out = Path(a.out)
     if a.report_only:
         saved = json.loads(out.read_text())
@@ -95,6 +102,10 @@ def main() -> None:
         out.with_suffix(".md").write_text(markdown(summary, saved))
         print(out.with_suffix(".md").read_text())
         return
+    if not a.speed_args:
+        ap.error("--speed-args is required (sampling_speed.py's flags)")
+    args = shlex.split(a.speed_args)
+    speed_parser().parse_args([*args, "--out", "-"])  # a wrong flag stops here, before any round runs
     trees = {"before": Path(a.before).resolve(), "after": Path(a.after).resolve()}
     rounds: dict[str, list[dict]] = {"before": [], "after": []}
     with tempfile.TemporaryDirectory() as tmp:
@@ -102,7 +113,7 @@ def main() -> None:
             for side, tree in trees.items():
                 print(f"round {r + 1}/{a.rounds}: {side} ({tree})", flush=True)
                 rounds[side].append(run_tree(tree, args, Path(tmp) / f"{side}-{r}.json"))
-    meta = {"command": " ".join(["python", Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+    meta = {"command": shlex.join(["python", Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
             "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
             "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, Python {platform.python_version()}",
             "rounds": a.rounds, "trees": {k: str(v) for k, v in trees.items()}}

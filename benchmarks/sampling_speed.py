@@ -342,8 +342,10 @@ def plot(result: dict, path: Path) -> Path:
     return path
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser(description: str | None = __doc__) -> argparse.ArgumentParser:
+    """The command line (benchmarks/before_after.py shows and checks the same flags)."""
+    ap = argparse.ArgumentParser(prog="sampling_speed.py", description=description,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ar", help="AR model (run or model dir): the baseline, with its KV cache")
     ap.add_argument("--masked", action="append", default=[], help="masked model (run or model dir); repeatable")
     ap.add_argument("--data", help="tinymath jsonl with prompt/answer (default: the test split beside the first model)")
@@ -367,6 +369,11 @@ def main(argv=None) -> None:
     ap.add_argument("--compile", action="store_true", help="also measure every model with its layers' norms and MLP "
                     "compiled (torch.compile)")
     ap.add_argument("--out", required=True, help="JSON output path; the table (.md) and plot (.png) go beside it")
+    return ap
+
+
+def main(argv=None) -> None:
+    ap = build_parser()
     args = ap.parse_args(argv)
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     args.tau = [float(t) for t in args.tau.split(",")]

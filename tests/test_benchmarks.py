@@ -86,3 +86,29 @@ def test_serve_load_counts_every_request_and_batches_only_when_asked(saved, tmp_
             assert r["batches"] == 8  # one generate call per request
         assert r["p50_s"] <= r["p99_s"]
     assert (tmp_path / "serving.md").read_text().count("\n| ") == 1 + 8  # header + one row per setting
+
+
+def test_before_after_pairs_rounds_and_refuses_a_wrong_flag_before_running(monkeypatch, tmp_path):
+    """benchmarks/before_after.py: per setting, the median tokens/s of each tree, each round's after/before ratio and
+    whether both decoded the same; sampling_speed's flags are checked before any round runs."""
+    import before_after
+
+    def run(speed, correct="101"):
+        return {"rows": [{"model": "m", "family": "autoregressive", "dtype": "float32", "threads": 1,
+                          "batch_size": 1, "tokens_per_s": speed, "correct": correct, "mean_nfe": 3.0,
+                          "accuracy": 2 / 3}]}
+
+    rounds = {"before": [run(100), run(90), run(120)], "after": [run(110), run(99), run(60, correct="100")]}
+    (row,) = before_after.summarise(rounds)
+    assert (row["before_tokens_per_s"], row["after_tokens_per_s"]) == (100, 99)
+    assert row["round_ratios"] == pytest.approx([1.1, 1.1, 0.5]) and row["ratio"] == pytest.approx(0.99)
+    assert row["same_outcomes"]  # compared on the first round's outcomes
+    assert "| m | float32 | 1 | AR (KV cache) | 1 | 100 | 99 | 0.99 | 1.10, 1.10, 0.50 | yes |" in \
+        before_after.markdown([row], {"command": "c", "date": "d", "machine": "x", "rounds": 3})
+    ran = []
+    monkeypatch.setattr(before_after, "run_tree", lambda *a: ran.append(a))
+    monkeypatch.setattr(sys, "argv", ["before_after.py", "--before", str(tmp_path), "--out", str(tmp_path / "o.json"),
+                                      "--speed-args=--ar runs/x --nope 1"])
+    with pytest.raises(SystemExit):
+        before_after.main()
+    assert ran == []
