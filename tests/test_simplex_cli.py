@@ -35,7 +35,8 @@ def test_train_resume_generate_eval(tmp_path, capsys, masking):
 
     # Exact resume: a second run stopped at step 3 and resumed matches the uninterrupted one.
     part = train(recipe(tmp_path / "part", data, f"simplex.masking={masking}", "train.steps=3"), progress=False)
-    resumed = train(recipe(part, data, f"simplex.masking={masking}"), resume=True, progress=False)
+    resumed = train(recipe(part, data, f"simplex.masking={masking}", "train.steps=3"), resume=True, progress=False,
+                    extend_to=6)  # all 6 updates are inside the warmup: re-planning keeps the rates
     assert losses(resumed) == pytest.approx(losses(run), rel=1e-5, abs=1e-6)
 
     capsys.readouterr()

@@ -68,3 +68,8 @@ def latest(root: Path) -> Path | None:
         if (c / COMPLETE).is_file():
             return c
     return None
+
+
+def step_of(checkpoint: Path) -> int:
+    """The update a complete checkpoint was written at (its COMPLETE marker), without loading its state."""
+    return int((checkpoint / COMPLETE).read_text().strip())

@@ -12,7 +12,7 @@ EPILOG = """examples:
   dlm demo                                        train + evaluate a small model on tinymath (~10 min, 2 cores)
   dlm data tinymath --out data/tinymath --level medium
   dlm train recipes/tinymath/ar.yaml --set train.steps=200 --set out_dir=runs/ar
-  dlm train recipes/tinymath/ar.yaml --resume     continue exactly from the newest checkpoint
+  dlm train runs/ar/recipe.yaml --resume          continue the run exactly where it stopped
   dlm train recipes/scale/llada8b-block-pumba.yaml --dry-run   memory and time per update at scale, no training
   dlm generate runs/ar --prompt "Mia has 3 apples and buys 4 more. How many apples does she have?"
   dlm eval runs/ar --task tinymath --n 200
@@ -71,7 +71,7 @@ def _cmd_train(a):
         return
     if a.json:
         sys.exit("dlm train: --json goes with --dry-run")
-    run_dir = train(recipe, resume=a.resume, progress=not a.no_progress)
+    run_dir = train(recipe, resume=a.resume, progress=not a.no_progress, extend_to=a.extend_to)
     print(f"run: {run_dir}  (model: {run_dir / 'model'}, metrics: {run_dir / 'metrics.jsonl'})")
     _leave_process_group()
 
@@ -361,8 +361,14 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--set", action="append", metavar="KEY=VALUE",
                     help="override a recipe field, e.g. train.steps=100 (repeatable)")
     tr.add_argument("--out-dir", help="shorthand for --set out_dir=...")
-    tr.add_argument("--resume", action="store_true", help="continue exactly from the newest complete checkpoint in "
-                    "out_dir (with as many processes as wrote it); without a checkpoint, say so and start fresh")
+    tr.add_argument("--resume", action="store_true", help="continue exactly the run recorded in the newest complete "
+                    "checkpoint in out_dir (with as many processes as wrote it): a recipe that differs from the "
+                    "recorded one (other than max_minutes, logging, checkpoint cadence, eval.test_n) is refused with "
+                    "the fields named; `dlm train RUN/recipe.yaml --resume` continues a run as recorded. Without a "
+                    "checkpoint, say so and start fresh")
+    tr.add_argument("--extend-to", type=int, metavar="N", help="with --resume: train the run on to N updates in all; "
+                    "the LR schedule is re-planned for N updates (warmup + cosine over N, as if planned so from the "
+                    "start), and the output prints the learning rate before and after")
     tr.add_argument("--no-progress", action="store_true", help="no progress bar")
     tr.add_argument("--dry-run", action="store_true", help="train nothing, read no data: build the model on the meta "
                     "device (from model.init_from's config.json, the recipe that writes it, or a published config: "

@@ -34,9 +34,11 @@ from dlm.modeling.backbone import DiffusionLM, count_parameters, resolve_model_d
 from dlm.modeling.build import build, load_weights, save_model
 from dlm.modeling.convert import foreign_spec
 from dlm.modeling.spec import ModelSpec
+from dlm.training import resume as resume_rules
 from dlm.training import sharding
 from dlm.training.ema import EMA
 from dlm.training.objectives import build_objective
+from dlm.training.resume import ResumeError
 
 FAULT_ENV = "DLM_FAULT_AT_CHECKPOINT"  # test hook: die while writing the checkpoint of this step
 
@@ -85,9 +87,18 @@ def resolve_tokenizer(recipe: Recipe, train_records, run_dir: Path):
 
 
 class Trainer:
-    def __init__(self, recipe: Recipe, resume: bool = False, progress: bool = True):
-        self.recipe, self.progress = recipe, progress
+    def __init__(self, recipe: Recipe, resume: bool = False, progress: bool = True, extend_to: int | None = None):
         self.run_dir = Path(recipe.out_dir)
+        if extend_to is not None and not resume:
+            raise ResumeError("--extend-to goes with --resume: it trains an existing run further")
+        # --resume continues the run its checkpoint recorded, or refuses naming what differs (dlm.training.resume)
+        found = ckpt.latest(self.run_dir / "checkpoints") if resume else None
+        old_steps = recipe.train.steps
+        if found is not None:
+            recorded = resume_rules.recorded_recipe(self.run_dir, found) or {}
+            old_steps = recorded.get("train", {}).get("steps", old_steps)
+            recipe = resume_rules.check(recipe, self.run_dir, found, ckpt.step_of(found), extend_to)
+        self.recipe, self.progress = recipe, progress
         AcceleratorState._reset_state()  # precision is per run; the process group (PartialState) is kept
         tc = recipe.train
         self.acc = sharding.accelerator("bf16" if tc.precision == "bf16" else "no", tc.grad_accum)
@@ -160,6 +171,15 @@ class Trainer:
         self.seconds_before, self._segment_start = 0.0, None
         if resume and not self.load_latest() and self.acc.is_main_process:
             print(f"--resume: no complete checkpoint in {self.run_dir / 'checkpoints'}; starting fresh")
+        if found is not None and extend_to is not None:  # the next update already follows the re-planned schedule
+            lr_old = oc.lr * lr_lambda(self.step, oc.warmup_steps, old_steps, oc.schedule, oc.min_lr_ratio)
+            scheduled = self.scheduler.optimizer.param_groups
+            for group, base, plan in zip(scheduled, self.scheduler.base_lrs, self.scheduler.lr_lambdas):
+                group["lr"] = base * plan(self.step)
+            self.scheduler._last_lr = [group["lr"] for group in scheduled]
+            if self.acc.is_main_process:
+                print(resume_rules.extension_note(self.run_dir, self.step, old_steps, tc.steps, lr_old,
+                                                  scheduled[0]["lr"]))
 
     @property
     def unwrapped(self) -> DiffusionLM:
@@ -390,6 +410,7 @@ class Trainer:
         if tmp is not None and not self._failed_anywhere(error) and main:  # every rank's files are in place
             try:
                 save_model(self.unwrapped, tmp / "model", state_dict=full)  # a LoRA run: its trainable tensors only
+                (tmp / resume_rules.RECIPE_FILE).write_text(dump_recipe(self.recipe))  # what --resume continues
                 self.tok.save_pretrained(tmp / "model")
                 if os.environ.get(FAULT_ENV) == str(self.step):
                     os._exit(17)  # simulated crash mid-write (tests)
@@ -475,9 +496,20 @@ class Trainer:
         return True
 
 
-def train(recipe: Recipe, resume: bool = False, progress: bool = True) -> Path:
-    """Train `recipe`; with `resume`, continue exactly from the newest complete checkpoint. Returns the run dir."""
-    trainer = Trainer(recipe, resume=resume, progress=progress)
+def train(recipe: Recipe, resume: bool = False, progress: bool = True, extend_to: int | None = None) -> Path:
+    """Train `recipe`; with `resume`, continue exactly the run recorded in the newest complete checkpoint (refused,
+    naming the fields, when `recipe` differs from it; `extend_to` trains it to that many updates, the LR schedule
+    re-planned: `dlm.training.resume`). A finished run that already has its model and test result is left as it is.
+    Returns the run dir."""
+    trainer = Trainer(recipe, resume=resume, progress=progress, extend_to=extend_to)
+    recipe = trainer.recipe
+    run_dir = trainer.run_dir
+    finished = resume and trainer.step >= recipe.train.steps and (run_dir / "model").is_dir()
+    if finished and ("test" not in trainer.splits or (run_dir / "eval.json").is_file()):
+        if trainer.acc.is_main_process:
+            print(f"{run_dir}: already complete ({trainer.step} of {recipe.train.steps} updates); nothing to do "
+                  f"(--extend-to N trains it further)")
+        return run_dir
     if trainer.acc.is_main_process:
         share = "" if trainer.n_trainable == trainer.n_params else \
             f" ({trainer.n_trainable / 1e6:.3g} M trainable, {100 * trainer.n_trainable / trainer.n_params:.2g} %)"
@@ -510,10 +542,6 @@ def train(recipe: Recipe, resume: bool = False, progress: bool = True) -> Path:
 # ---- helpers --------------------------------------------------------------------------------------------------
 class NonFiniteError(DlmError, RuntimeError):
     """Too many updates in a row had a NaN/inf loss or gradient; the run stopped at its last good checkpoint."""
-
-
-class ResumeError(DlmError, RuntimeError):
-    """A checkpoint that this run cannot continue exactly (e.g. written by another number of processes)."""
 
 
 class _nullcontext:
