@@ -153,3 +153,42 @@ def test_the_sampled_lm_eval_task_runs_end_to_end_and_grades_every_repeat(saved,
     completions = line["generation"][0]
     assert len(completions) == 20 and all(isinstance(c, str) for c in completions)
     assert line["nfe"] > 0 and r["device"] == "cpu"
+
+
+def test_a_prompt_too_long_is_refused_naming_the_flags_that_fit_and_those_flags_run(saved, tmp_path, capsys):
+    """The tiny models' context (128) is shorter than most HumanEval prompts in their tokenizer, as the tinymath
+    models' (224) is: the refusal names --truncate-prompts with a --max-new-tokens that leaves room for a prompt, or
+    the model context that holds every prompt and its generation; running with the named flags then works."""
+    import re
+
+    from dlm.cli import main
+    from dlm.evaluation.tasks import encode_texts
+    from dlm.sampling import load_for_inference
+
+    model = [str(saved["masked"]), "--task", "humaneval", "--n", "2"]
+    with pytest.raises(SystemExit):
+        main(["eval", *model])  # default generation 512: even truncated, no prompt fits
+    refused = capsys.readouterr().err.strip()
+    assert "\n" not in refused and "Traceback" not in refused
+    assert "more than the model's context of 128" in refused
+    assert "use --truncate-prompts --max-new-tokens 64, which keeps the last 64 tokens" in refused
+    with pytest.raises(SystemExit):
+        main(["eval", *model, "--truncate-prompts"])  # truncation alone: the generation still fills the context
+    assert "use --max-new-tokens 64, which keeps the last 64" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["eval", *model, "--max-new-tokens", "16"])  # a generation that leaves room: truncating is enough
+    assert "use --truncate-prompts, which keeps the last 112 tokens" in capsys.readouterr().err
+
+    main(["eval", *model, "--truncate-prompts", "--max-new-tokens", "64", "--out", str(tmp_path / "he.json")])
+    assert json.loads((tmp_path / "he.json").read_text())["rows"][0]["n"] == 2
+
+    # the other way: a model whose context is the named max_length takes every prompt whole with its generation
+    lengths = re.search(r"(\d+) \+ 512 = (\d+) positions \(dlm train --set model.max_length=(\d+)", refused)
+    longest, needed, max_length = map(int, lengths.groups())
+    m, tok = load_for_inference(saved["masked"], device="cpu")
+    prompts = [p["prompt"] for p in load_problems()[:2]]
+    assert longest == max(len(tok(p, add_special_tokens=False)["input_ids"]) for p in prompts)
+    assert needed == longest + 512 <= max_length < needed + 64
+    m.config.max_position_embeddings = max_length
+    ids, cut = encode_texts(tok, prompts, m, 512)
+    assert cut == 0 and max(map(len, ids)) + 512 <= max_length

@@ -44,6 +44,8 @@ except ImportError:  # pragma: no cover - depends on the environment
 TASKS_DIR = Path(__file__).parent / "lm_eval_tasks"  # dlm's packaged lm-eval tasks (for --include_path)
 MODEL_ARGS = ("pretrained", "dtype", "batch_size", "max_batch_size", "device", "seed", "mc_num", "max_gen_toks",
               "add_bos_token", "truncate_prompts", "trust_remote_code")
+# how a prompt too long for the context is made to fit, in lm-eval's words (`dlm.evaluation.tasks.fit_hint`)
+FIT_FLAGS = ("model_args truncate_prompts=true", "gen_kwargs max_gen_toks={0} (dlm eval: --max-new-tokens {0})")
 
 
 @register_model("dlm")
@@ -83,7 +85,7 @@ class DlmLM(LM):
             groups[self._generation(req.args[1])[1:]].append(i)
         for (max_new, temperature), idx in groups.items():
             ids, cut = encode_texts(self.tok, [requests[i].args[0] for i in idx], self.model, max_new,
-                                    truncate=self.truncate, add_bos=self.add_bos)
+                                    truncate=self.truncate, add_bos=self.add_bos, flags=FIT_FLAGS)
             self.truncated += cut
             order = sorted(range(len(idx)), key=lambda j: -len(ids[j]))  # similar lengths share a batch
             texts, nfes, tokens, seconds = generate_batched(

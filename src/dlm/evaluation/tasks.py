@@ -82,26 +82,54 @@ def encode_text(tok, text: str, add_bos: bool = False) -> list[int]:
 
 
 def encode_texts(tok, texts: Sequence[str], model, max_new_tokens: int, truncate: bool = False,
-                 names: Sequence[str] | None = None, add_bos: bool = False) -> tuple[list[list[int]], int]:
+                 names: Sequence[str] | None = None, add_bos: bool = False,
+                 flags: tuple[str, str] = ("--truncate-prompts", "--max-new-tokens {}")) -> tuple[list[list[int]], int]:
     """(ids, how many were cut) of prompts used as they are (`encode_text`: code to continue, or a context lm-eval
     already rendered). As for chat prompts (`dlm.data.prompts`), a prompt longer than the model's context is refused
-    naming it, or with `truncate` keeps its last `context - generation` tokens."""
+    naming it and the settings that fit (`fit_hint`, in the words of `flags`: truncation, generation length), or with
+    `truncate` keeps its last `context - generation` tokens."""
     context = getattr(model.config, "max_position_embeddings", None)
     span = generation_span(model.spec, max_new_tokens)
-    out, cut = [], 0
-    for i, text in enumerate(texts):
-        ids = encode_text(tok, text, add_bos)
-        if context and len(ids) > context:
-            where = names[i] if names else f"prompt {i + 1}"
-            if not truncate:
-                raise DataError(f"{where}: prompt is {len(ids)} tokens, more than the model's context of {context} "
-                                "(max_position_embeddings); keep its end with --truncate-prompts (truncate_prompts)")
-            if context - span < 1:
-                raise OptionsError(f"max_new_tokens {max_new_tokens} fills the model's whole context ({context} "
-                                   "positions): no room is left for a prompt; lower it")
-            ids, cut = ids[-(context - span):], cut + 1
-        out.append(ids)
-    return out, cut
+    out = [encode_text(tok, text, add_bos) for text in texts]
+    over = [i for i, ids in enumerate(out) if context and len(ids) > context]
+    if not over:
+        return out, 0
+    longest = max(len(ids) for ids in out)
+    hint = fit_hint(model.spec, context, max_new_tokens, longest, truncate, flags)
+    if not truncate:
+        first = over[0]
+        where = names[first] if names else f"prompt {first + 1}"
+        raise DataError(f"{where}: prompt is {len(out[first])} tokens, more than the model's context of {context} "
+                        f"(max_position_embeddings; {len(over)} of {len(out)} prompts are, the longest {longest}); "
+                        f"{hint}")
+    if context - span < 1:
+        raise OptionsError(f"max_new_tokens {max_new_tokens} fills the model's whole context ({context} positions): "
+                           f"no room is left for a prompt; {hint}")
+    for i in over:
+        out[i] = out[i][-(context - span):]
+    return out, len(over)
+
+
+def fit_hint(spec, context: int, max_new_tokens: int, longest: int, truncate: bool,
+             flags: tuple[str, str] = ("--truncate-prompts", "--max-new-tokens {}")) -> str:
+    """What makes prompts of up to `longest` tokens fit a `context`-position model, with the values that do:
+    truncation (with a generation length that leaves room for a prompt) or a model whose context holds the longest
+    prompt and its generation. `flags`: the words for truncation and for the generation length ("{}": its value)."""
+    truncate_flag, length_flag = flags
+    span = generation_span(spec, max_new_tokens)
+    block = getattr(spec, "block_size", None) if getattr(spec, "attention", None) == "block_causal" else None
+    if span < context:  # the generation leaves room for a prompt: truncating is enough
+        length, words = max_new_tokens, [truncate_flag]
+    else:  # about half the context each for the prompt and the generation (whole blocks for block-causal models)
+        length = context // 2 // block * block if block else context // 2
+        words = ([] if truncate else [truncate_flag]) + [length_flag.format(length)]
+    kept = context - generation_span(spec, length) if length > 0 else 0
+    ways = [f"use {' '.join(words)}, which keeps the last {kept} tokens of each too-long prompt"] if kept > 0 else []
+    needed = longest + span
+    ways.append(f"a model whose context holds the longest prompt and its generation, {longest} + {span} = {needed} "
+                f"positions (dlm train --set model.max_length={-(-needed // 64) * 64} on the run that creates the "
+                "model: init_from keeps its source's context)")
+    return "to fit, " + ", or ".join(ways)
 
 
 def trivial_baseline(records: Sequence[dict]) -> float:
