@@ -168,6 +168,7 @@ def test_generate_until_is_batch_invariant_and_matches_dlm_eval(saved, tmp_path,
     generations and NFE as `dlm eval --task tinymath` (the chat template applied by lm-eval)."""
     from dlm.evaluation.lm_eval import run_lm_eval
     from dlm.evaluation.run import evaluate_model
+    from dlm.modeling.spec import ModelSpec
     from dlm.sampling import parse_settings
 
     name, values = GENERATION_CASES[case]
@@ -181,7 +182,8 @@ def test_generate_until_is_batch_invariant_and_matches_dlm_eval(saved, tmp_path,
                      r["results"]["dlm_tinymath"]["accuracy,none"]))
     assert runs[0] == runs[1]
     config = r["config"]["dlm"]
-    assert config["sampling"] == {"family": config["family"], **options.sampling_options(config["family"]).model_dump()}
+    spec = ModelSpec.load(saved[name])  # the options in effect on this model, no others (kv_cache: block models)
+    assert config["sampling"] == {"family": config["family"], **options.sampling_options(spec.family).in_effect(spec)}
     gen = config["tasks"]["dlm_tinymath"]["generate_until"]
     assert gen["requests"] == 6 and gen["mean_nfe"] > 0 and gen["tokens_per_s"] > 0
     ours = evaluate_model(saved[name], data=saved["data"], n=6, options=options, max_new_tokens=10, batch_size=8,
@@ -275,13 +277,13 @@ def test_simple_evaluate_finds_the_registered_model(saved):
     import dlm.evaluation.lm_eval as dlm_lm_eval
 
     results = lm_eval.simple_evaluate(
-        model="dlm", model_args=f"pretrained={saved['masked']},policy=threshold,tau=0.6,u=3,mc_num=4", batch_size=4,
-        device="cpu", tasks=["dlm_tinymath"], limit=3, confirm_run_unsafe_code=True, apply_chat_template=True,
-        gen_kwargs={"max_gen_toks": 8},
+        model="dlm", model_args=f"pretrained={saved['masked']},policy=top_u_or_threshold,tau=0.6,u=3,mc_num=4",
+        batch_size=4, device="cpu", tasks=["dlm_tinymath"], limit=3, confirm_run_unsafe_code=True,
+        apply_chat_template=True, gen_kwargs={"max_gen_toks": 8},
         task_manager=TaskManager(include_path=str(dlm_lm_eval.TASKS_DIR), include_defaults=False,
                                  metadata={"data": str(saved["data"])}))
     config = results["config"]["dlm"]
-    assert config["sampling"]["policy"] == "threshold" and config["sampling"]["confidence_threshold"] == 0.6
+    assert config["sampling"]["policy"] == "top_u_or_threshold" and config["sampling"]["confidence_threshold"] == 0.6
     assert config["sampling"]["reveal_count"] == 3 and config["mc_num"] == 4 and config["batch_size"] == 4
     assert config["tasks"]["dlm_tinymath"]["generate_until"]["requests"] == 3
     assert "accuracy,none" in results["results"]["dlm_tinymath"]
@@ -303,6 +305,31 @@ def test_model_args_and_tasks_are_checked(saved):
 
     with pytest.raises(DlmError, match="not supported for simplex"):
         lm.loglikelihood([Instance("loglikelihood", {}, ("user: hi", " there"), 0)])
+
+
+def test_model_args_follow_the_policy_rule(saved, capsys):
+    """tau alone selects the threshold policy; tau with policy=top_u is refused before the model loads, as one line
+    naming both (`dlm lm-eval` exits 2); the recorded sampling options are those in effect."""
+    from dlm.cli import main
+    from dlm.evaluation.lm_eval import DlmLM
+
+    lm = DlmLM(saved["masked"], tau=0.5)
+    assert (lm.options.policy, lm.options.confidence_threshold) == ("threshold", 0.5)
+    assert lm.get_model_info()["dlm"]["sampling"] == {"family": "masked", "policy": "threshold",
+                                                      "confidence_threshold": 0.5, "block_size": None}
+    with pytest.raises(OptionsError, match=r"^tau \(confidence_threshold\) is not used by policy top_u"):
+        DlmLM(saved["masked"], policy="top_u", tau=0.5)
+    with pytest.raises(OptionsError, match=r"^u \(reveal_count\) is not used by policy threshold"):
+        DlmLM(saved["masked"], sampler="threshold", u=2)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(["lm-eval", "--model", "dlm", "--model_args", f"pretrained={saved['masked']},policy=top_u,tau=0.5",
+              "--tasks", "dlm_tinymath", "--limit", "1", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "dlm lm-eval: tau (confidence_threshold) is not used by policy top_u" in err
+    assert "Traceback" not in err
+    DlmLM(saved["masked"], kv_cache=False)
+    assert "ignores kv_cache (not read with these settings on a bidirectional model)" in capsys.readouterr().err
 
 
 def test_cli_eval_and_lm_eval(saved, tmp_path, capsys):

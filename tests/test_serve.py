@@ -293,12 +293,50 @@ def test_recipe_eval_section_gives_the_defaults(dirs, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(dirs["masked"], run / "model")
     (run / "recipe.yaml").write_text("eval:\n  reveal_count: 4\n  max_new_tokens: 8\n")
-    engine = Engine(run, defaults={"confidence_threshold": 0.7, "inference_steps": 3})
-    assert engine.defaults.reveal_count == 4 and engine.defaults.confidence_threshold == 0.7
+    engine = Engine(run, defaults={"block_size": 4, "inference_steps": 3})
+    assert engine.defaults.reveal_count == 4 and engine.defaults.block_size == 4
     assert engine.default_max_tokens == 8 and engine.ignored == ["inference_steps (simplex sampler)"]
     with running(engine) as url:
         r = chat(url, "run")
         assert r.model_extra["nfe"] == [2] and r.model_extra["sampling"]["max_tokens"] == 8
+
+
+def test_an_option_selects_its_policy_and_one_the_policy_does_not_read_is_a_400(servers):
+    """The README's request: tau alone on a masked model whose default policy is top-u decodes with the threshold
+    policy, and the response lists only the options in effect; tau with policy top_u is refused, naming tau."""
+    url = servers["masked"]
+    alone = chat(url, "masked", max_tokens=8, tau=0.3)
+    chosen = chat(url, "masked", max_tokens=8, tau=0.3, policy="threshold")
+    default = chat(url, "masked", max_tokens=8)
+    assert alone.model_extra["sampling"] == chosen.model_extra["sampling"]
+    assert (alone.choices[0].message.content, alone.model_extra["nfe"]) == (chosen.choices[0].message.content,
+                                                                            chosen.model_extra["nfe"])
+    used = {k: v for k, v in alone.model_extra["sampling"].items() if k not in ("max_tokens", "temperature")}
+    assert used == {"family": "masked", "policy": "threshold", "confidence_threshold": 0.3, "block_size": None}
+    assert default.model_extra["sampling"]["policy"] == "top_u" and default.model_extra["nfe"] == [4]
+    assert "confidence_threshold" not in default.model_extra["sampling"]
+    block = chat(servers["block"], "block", max_tokens=8, u=4).model_extra["sampling"]
+    assert (block["block_size"], block["kv_cache"], block["reveal_count"]) == (4, True, 4)
+    hi = [{"role": "user", "content": "hi"}]
+    for body, param in (({"policy": "top_u", "tau": 0.5}, "tau"), ({"sampler": "threshold", "u": 2}, "u"),
+                        ({"policy": "threshold", "reveal_count": 2}, "reveal_count")):
+        status, reply = post(url, "/v1/chat/completions", {"messages": hi, **body})
+        assert (status, reply["error"]["param"], reply["error"]["code"]) == (400, param, "unused_option"), reply
+        assert f"is not used by policy {body.get('policy') or body['sampler']}" in reply["error"]["message"]
+
+
+def test_server_flags_over_the_recipe_follow_the_same_rule(dirs, tmp_path):
+    import shutil
+
+    from dlm.sampling import parse_settings
+
+    run = tmp_path / "run"
+    shutil.copytree(dirs["masked"], run / "model")
+    (run / "recipe.yaml").write_text("eval:\n  policy: top_u\n  reveal_count: 4\n")
+    assert Engine(run).defaults.policy == "top_u"  # the recipe's own choice: a default
+    engine = Engine(run, defaults=parse_settings({"confidence_threshold": 0.7, "kv_cache": False}))
+    assert (engine.defaults.policy, engine.defaults.confidence_threshold) == ("threshold", 0.7)
+    assert engine.ignored == ["kv_cache (not read with these settings on a bidirectional model)"]
 
 
 @pytest.mark.parametrize("name", ["masked", "ar"])

@@ -32,7 +32,7 @@ def test_sweep_over_masked_and_ar_models(tmp_path, tiny_tokenizer):
         tiny_tokenizer.save_pretrained(tmp_path / name)
         paths.append(tmp_path / name)
     torch.manual_seed(0)
-    result = run_sweep(paths, data, MaskedOptions(policy="top_u", confidence_threshold=0.9), sweep="u=1,4",
+    result = run_sweep(paths, data, MaskedOptions(policy="top_u"), sweep="u=1,4",
                        max_new_tokens=8, progress=False, truncate_prompts=True)  # the tiny BPE: ~130-token prompts
     rows = result["rows"]
     assert [(r["family"], r.get("reveal_count")) for r in rows] == [("masked", 1), ("masked", 4),

@@ -209,6 +209,10 @@ def _cmd_eval(a):
         if a.dtype not in ("auto", "float32") or a.device not in ("auto", "cpu"):
             sys.exit("dlm eval: --metric mask-discrepancy runs on the CPU in float32 (its trajectory pools live "
                      "there); drop --device and --dtype")
+        unused = [_flags(k)[-1] for k in settings.model_fields_set if k != "reveal_count"]
+        if unused or a.sweep:
+            sys.exit(f"dlm eval: --metric mask-discrepancy measures the top-u sampler with --u alone; "
+                     f"{', '.join(unused + ['--sweep'] * bool(a.sweep))} would be ignored: drop it")
         data = a.data or default_task_file(a.model[0], a.task)
         run_mask_discrepancy(a.model, data, u=settings.reveal_count, n=a.n or 50, seed=a.seed, out=a.out)
         return
@@ -218,6 +222,8 @@ def _cmd_eval(a):
 
         if not a.reference_model:
             sys.exit("dlm eval: --metric intrinsic needs --reference-model (a held-out AR model directory)")
+        if a.sweep:
+            sys.exit("dlm eval: --metric intrinsic scores one setting per model; --sweep would be ignored: drop it")
         data = a.data or default_task_file(a.model[0], a.task)
         run_intrinsic(a.model, data, a.reference_model, settings, n=a.n, batch_size=a.batch_size,
                       max_new_tokens=a.max_new_tokens or 128, seed=a.seed, with_mauve=not a.no_mauve, out=a.out,
@@ -293,11 +299,13 @@ request fields: model, max_tokens (masked: the canvas length), temperature (defa
   stream; top_p is the simplex sampler's top-p projection. dlm's extensions, as extra body fields:
   sampling options of the model's family (policy, reveal_count/u, confidence_threshold/tau, block_size, kv_cache,
   cache; inference_steps/steps, top_p, early_stop_patience, guidance_scale/eta, ...): another family's option is a
-  400 naming it; reward_model is a server flag only. Defaults: the run's recipe eval section, then the flags.
+  400 naming it; reward_model is a server flag only. Defaults: the run's recipe eval section, then the flags. An
+  option given without a policy selects the policy that reads it (tau alone: threshold); one the request's policy
+  does not read (tau with top_u) is a 400 naming it.
   "dlm_steps": true (with stream) adds one event per denoising step:
   {"object": "dlm.denoise.step", "index", "step", "nfe", "tokens", "pieces", "masked", "confidence", "new",
   "block_size", "eos"[, "timestep"]}. Responses and the last stream chunk carry usage, "nfe" per choice and the
-  "sampling" options used.
+  "sampling" options in effect.
 
 streaming: text is sent once it can no longer change (masked: the revealed prefix; simplex: at the end; AR: token
   by token after decoding), never past a stop string. Concurrent greedy requests with the same options and

@@ -180,7 +180,7 @@ def run_intrinsic(models: Sequence[str | Path], data: str | Path, reference_mode
                      batch_size=batch_size, max_new_tokens=max_new_tokens, seed=seed,
                      truncate_prompts=truncate_prompts)
         generations = [s["generation"] for s in r["samples"]]
-        row = {"model": str(path), "family": model.spec.family, **own.model_dump(mode="json"),
+        row = {"model": str(path), "family": model.spec.family, **own.in_effect(model.spec),
                **intrinsic_metrics(prompts, generations, references, tok, ref_model, ref_tok, batch_size, with_mauve,
                                  features)}
         if graded:

@@ -14,6 +14,7 @@ NFE, tokens/s and the sampling options land in the results' `config["dlm"]` (`ge
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
@@ -31,7 +32,7 @@ from dlm.sampling import (
     parse_settings,
     resolve_options,
 )
-from dlm.sampling.options import ALIASES, OWNER, option_name
+from dlm.sampling.options import ALIASES, OWNER, ignored, option_name
 
 try:
     import lm_eval.models  # noqa: F401  (fills the registry first: lm-eval imports its own models only into an empty one)
@@ -66,12 +67,15 @@ class DlmLM(LM):
         self.mc_num, self.max_gen_toks = _positive("mc_num", mc_num), _positive("max_gen_toks", max_gen_toks)
         self.seed, self.add_bos, self.truncate = int(seed), bool(add_bos_token), bool(truncate_prompts)
         values = _sampling_values(options, sampling)
-        if isinstance(values, dict):
-            parse_settings(values)  # each value in range; whether the model's family takes it: below
+        names = {option_name(k): k for k in sampling if k in OWNER or k in ALIASES}  # how the model args wrote them
+        if isinstance(values, dict):  # each value in range, the policy rule (tau alone: threshold; an option the
+            parse_settings(values, names=names)  # policy does not read: refused); the model's family: below
         self.model, self.tok = load_for_inference(pretrained, dtype=dtype or "auto", device=device or "auto")
         self.placement = placement(self.model)  # device, dtype, device name, threads: recorded in the results
         self.family = self.model.spec.family
         self.options = resolve_options(self.family, values)
+        for note in ignored(self.family, values, self.model.spec, self.options):  # e.g. --tau for an AR model
+            print(f"dlm: {Path(str(pretrained)).name} ({self.family}) ignores {note}", file=sys.stderr)
         self.pretrained = str(pretrained)
         self.stats: dict = defaultdict(lambda: {"requests": 0, "nfe": 0, "tokens": 0, "seconds": 0.0})
         self.request_nfe: dict = defaultdict(int)  # (task, doc_id) -> NFE summed over the doc's requests
@@ -136,7 +140,7 @@ class DlmLM(LM):
                 **({"tokens_per_s": s["tokens"] / max(s["seconds"], 1e-9), "tokens_per_nfe": s["tokens"] /
                     max(s["nfe"], 1)} if kind == "generate_until" else {})}
         return {"dlm": {"pretrained": self.pretrained, "family": self.family, **self.placement,
-                        "sampling": {"family": self.family, **self.options.model_dump(mode="json")},
+                        "sampling": {"family": self.family, **self.options.in_effect(self.model.spec)},
                         "seed": self.seed, "mc_num": self.mc_num, "batch_size": self.batch_size,
                         "truncated_prompts": self.truncated, "tasks": tasks}}
 
@@ -286,8 +290,6 @@ def _table(results: dict) -> str:
 def main(argv: Sequence[str]) -> None:
     """`dlm lm-eval ARGS`: lm-eval's own CLI with model `dlm` registered and dlm's packaged tasks on --include_path
     (unless ARGS give one)."""
-    import sys
-
     from lm_eval.__main__ import cli_evaluate
 
     args = list(argv)

@@ -12,13 +12,15 @@ from dlm.evaluation.run import default_max_new_tokens, evaluate_task, load_task,
 from dlm.evaluation.stats import compare, format_comparison
 from dlm.modeling.device import placement
 from dlm.sampling import ignored, load_for_inference, resolve_options
-from dlm.sampling.options import OWNER, option_name
+from dlm.sampling.options import OWNER, option_name, refuse_unused
 
 
 def parse_sweep(spec: str | None, options=None) -> tuple[str | None, list]:
     """'tau=0.7,0.8' → ('confidence_threshold', [0.7, 0.8]): a grid over one sampling option, named by its field or a
     short name (tau, u; simplex models: steps, eta), each value checked by the option's model together with the
-    other `options` (e.g. eta needs a reward_model) before any model is loaded."""
+    other `options` (e.g. eta needs a reward_model) before any model is loaded. The swept option counts as given:
+    swept without a policy it selects the one that reads it (tau: threshold); with a policy that does not read it, or
+    a policy sweep where no swept policy reads a given option, it is refused (`dlm.sampling.options.refuse_unused`)."""
     if not spec:
         return None, [None]
     key, sep, values = spec.partition("=")
@@ -28,7 +30,10 @@ def parse_sweep(spec: str | None, options=None) -> tuple[str | None, list]:
     try:
         name = option_name(key)
         base = resolve_options(OWNER[name], options, strict=False)
-        return name, [getattr(base.replace(**{name: v}), name) for v in values.split(",")]
+        grid = [getattr(base.replace(**{name: v}), name) for v in values.split(",")]
+        given = {k: getattr(base, k) for k in base.model_fields_set}
+        refuse_unused({**given, name: grid[0]}, policies=grid if name == "policy" else None)
+        return name, grid
     except OptionsError as err:
         raise OptionsError(f"--sweep {spec!r}: {err}") from None
 
@@ -56,14 +61,15 @@ def run_sweep(models: Sequence[str | Path], data: str | Path | None = None, opti
         where = where or placement(model)
         family = model.spec.family
         base = resolve_options(family, options, strict=False)
-        if progress and ignored(family, options):
-            print(f"{Path(path).name} ({family}) ignores {', '.join(ignored(family, options))}")
+        notes = ignored(family, options, model.spec)
+        if progress and notes:
+            print(f"{Path(path).name} ({family}) ignores {', '.join(notes)}")
         for value in values if OWNER.get(name) == family else [None]:
             opts = base if value is None else base.replace(**{name: value})
             r = evaluate_task(task, model, tok, records, opts, batch_size=batch_size, max_new_tokens=max_new_tokens,
                               seed=seed, progress=progress, truncate_prompts=truncate_prompts, temperature=temperature,
                               samples_per_problem=samples_per_problem, ks=ks)
-            setting = opts.model_dump(mode="json")
+            setting = opts.in_effect(model.spec)  # only what the sampler read: no tau under top_u
             keys = ("accuracy", *(k for k in r if k.startswith("pass@")), "n", "mean_nfe", "tokens_per_nfe", "wall_s",
                     "ms_per_problem")
             rows.append({"model": str(path), "family": family, **setting, **{k: r[k] for k in keys}})
@@ -73,7 +79,7 @@ def run_sweep(models: Sequence[str | Path], data: str | Path | None = None, opti
                 rows[-1]["correct"] = [int(c) for c in outcomes[-1]]
             lines += [{"model": str(path), "family": family, "task": task, **setting, **s} for s in r["samples"]]
             if progress:
-                shown = ", ".join(f"{k}={v}" for k, v in opts.model_dump().items() if v is not None)
+                shown = ", ".join(f"{k}={v}" for k, v in setting.items() if v is not None)
                 passes = "".join(f" | {k} {100 * r[k]:.1f}%" for k in r if k.startswith("pass@"))
                 print(f"{Path(path).name} [{shown or 'greedy, KV cache'}]: accuracy {100 * r['accuracy']:.1f}%"
                       f"{passes} | mean NFE {r['mean_nfe']:.1f} | {r['ms_per_problem']:.1f} ms/problem")

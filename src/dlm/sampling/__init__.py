@@ -65,17 +65,24 @@ def generate_text(model_path, prompts: Sequence[str], options=None, *, max_new_t
                   dtype="auto", device="auto", truncate_prompts: bool = False) -> list[dict]:
     """Generate a response for each prompt (rendered with the model's chat template); returns text and NFE. `options`
     as for `generate`, except that options of another family than the model's give its defaults (the CLI's one set of
-    flags serves any model). With `show_steps` a masked model's denoising is rendered step by step in the terminal
-    (TESS 2 Fig. 4 style). `device` and `dtype` place the model (`load_for_inference`); the sampling generator lives
-    on that device. A prompt longer than the model's context is refused, or with `truncate_prompts` keeps its end
-    (`dlm.data.prompts`)."""
+    flags serves any model), with a note on stderr naming each given option the model does not use. With
+    `show_steps` a masked model's denoising is rendered step by step in the terminal (TESS 2 Fig. 4 style). `device`
+    and `dtype` place the model (`load_for_inference`); the sampling generator lives on that device. A prompt longer
+    than the model's context is refused, or with `truncate_prompts` keeps its end (`dlm.data.prompts`)."""
+    import sys
+    from pathlib import Path
+
     from dlm.data.prompts import encode_prompts
     from dlm.modeling.device import make_generator
 
     model, tok = load_for_inference(model_path, dtype=dtype, device=device)
-    masked = model.spec.family == "masked"
-    traced = show_steps and model.spec.family in ("masked", "simplex")
-    options = resolve_options(model.spec.family, options, strict=False)
+    family = model.spec.family
+    masked = family == "masked"
+    traced = show_steps and family in ("masked", "simplex")
+    given, options = options, resolve_options(family, options, strict=False)
+    notes = ignored(family, given, model.spec, options)
+    if notes:  # never silently: --tau for an AR model, --no-kv-cache for a full-canvas one
+        print(f"{Path(str(model_path)).name} ({family}) ignores {', '.join(notes)}", file=sys.stderr)
     ids = encode_prompts(tok, prompts, model, max_new_tokens, truncate=truncate_prompts)
     out = generate(model, ids, options, max_new_tokens=max_new_tokens, eos_id=tok.eos_token_id,
                    pad_id=tok.pad_token_id, temperature=temperature, generator=make_generator(seed, model),

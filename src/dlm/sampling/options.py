@@ -4,13 +4,19 @@ default and description). The recipe's eval section, the `dlm generate/eval` fla
 wherever it comes from. Pydantic only: the CLI builds its parser from these fields without importing torch.
 
 `max_new_tokens` and `temperature` are arguments of `generate`, not options: every family takes them, and what they
-mean (the AR token limit, the diffusion canvas length) belongs to the call, not to one family's sampler."""
+mean (the AR token limit, the diffusion canvas length) belongs to the call, not to one family's sampler.
+
+One rule for an option the masked sampler's policy does not read, wherever options come from (`implied_policy`,
+`refuse_unused`): given without a policy, an option selects the policy that reads it (tau alone: threshold; u and
+tau: top_u_or_threshold), even over a default policy (the recipe's, the server's); given with a policy that does not
+read it, it is refused, naming both. Defaults (a recipe's eval section) are never refused. What a result lists is
+`in_effect()`: the options the sampler read."""
 
 from __future__ import annotations
 
 import difflib
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, ClassVar, Literal, get_args
 
 from pydantic import (
@@ -60,6 +66,46 @@ def _invalid(message: str) -> PydanticCustomError:
     return PydanticCustomError("sampling_options", "{message}", {"message": message})
 
 
+# The options each unmasking policy reads (PUMBA §2); under a policy the others change nothing.
+POLICY_USES = {"top_u": ("reveal_count",), "threshold": ("confidence_threshold",),
+               "top_u_or_threshold": ("reveal_count", "confidence_threshold")}
+POLICY_OPTIONS = ("reveal_count", "confidence_threshold")
+
+
+class UnusedOptionError(OptionsError):
+    """An option the explicitly chosen policy does not read; `field` names it (the server's 400 names it as `param`)."""
+
+    def __init__(self, message: str, field: str):
+        super().__init__(message)
+        self.field = field
+
+
+def implied_policy(given, current: str = "top_u") -> str:
+    """The policy options `given` without a policy select: `current` where it reads every one of them, else the policy
+    that reads exactly those (tau: threshold; u: top_u; u and tau: top_u_or_threshold)."""
+    wanted = {k for k in given if k in POLICY_OPTIONS}
+    if not wanted or current in POLICY_USES and wanted <= set(POLICY_USES[current]):
+        return current
+    return next(p for p, uses in POLICY_USES.items() if set(uses) == wanted)
+
+
+def refuse_unused(values: Mapping[str, Any], names: Mapping[str, str] | None = None, *,
+                  policies: Sequence[str] | None = None) -> None:
+    """User input given with a policy (or the `policies` of a sweep): an option none of them reads is an
+    UnusedOptionError naming the option and the policy. `names` maps a field to how the user wrote it (e.g. --tau)."""
+    policies = policies or ([values["policy"]] if values.get("policy") in POLICY_USES else [])
+    if not policies:
+        return
+    for field in POLICY_OPTIONS:
+        if values.get(field) is not None and not any(field in POLICY_USES[p] for p in policies):
+            readers = [p for p, uses in POLICY_USES.items() if field in uses]
+            label = names.get(field, field) if names else field
+            label = label if label == field else f"{label} ({field})"
+            raise UnusedOptionError(
+                f"{label} is not used by policy {' or '.join(policies)}; leave it out, or choose a policy that uses "
+                f"it ({', '.join(readers)})", field)
+
+
 class SamplingOptions(BaseModel):
     """A family's sampler settings: immutable, unknown keys rejected, every value checked on construction (a pydantic
     ValidationError; `parse_options` turns user input into options or one OptionsError line)."""
@@ -68,8 +114,26 @@ class SamplingOptions(BaseModel):
     family: ClassVar[str]
 
     def replace(self, **changes) -> SamplingOptions:
-        """A copy with `changes`, validated like any other value (a sweep's grid values go through here)."""
-        return parse_options(self.family, {**self.model_dump(exclude_unset=True), **changes})
+        """A copy with `changes`, validated like any other value (no rule applied: `override` applies user input)."""
+        return _validate(type(self), {**self.model_dump(exclude_unset=True), **changes}, None)
+
+    def override(self, values: Mapping[str, Any], *, names: Mapping[str, str] | None = None) -> SamplingOptions:
+        """These options as defaults (a recipe's eval section, a server's flags) with what a user set, `values`, on
+        top, by the module's rule: an option the given policy does not read is refused (UnusedOptionError); policy
+        options given without a policy select the one that reads them, even where the defaults name another."""
+        values = {k: v for k, v in values.items() if v is not None}
+        refuse_unused(values, names)
+        if "policy" in type(self).model_fields and "policy" not in values:
+            policy = implied_policy(values, self.policy)
+            if policy != self.policy:
+                values["policy"] = policy
+        return _validate(type(self), {**self.model_dump(exclude_unset=True), **values}, names)
+
+    def in_effect(self, spec=None) -> dict[str, Any]:
+        """The options the sampler reads with these settings (on a model of `spec`, a ModelSpec, where given), as JSON
+        values: what a result row, a sweep's table or a server's response lists, so none names a setting that
+        changed nothing."""
+        return self.model_dump(mode="json")
 
 
 class MaskedOptions(SamplingOptions):
@@ -79,7 +143,8 @@ class MaskedOptions(SamplingOptions):
     policy: Annotated[Policy, _one_of(Policy)] = Field(
         "top_u", description="unmasking policy (PUMBA §2): top_u reveals the u most confident masked positions per "
         "step, threshold every one with confidence >= tau (at least one; Fast-dLLM), top_u_or_threshold the top u "
-        "plus every other one >= tau")
+        "plus every other one >= tau; unset: the policy that reads the options given (tau alone: threshold; u and "
+        "tau: top_u_or_threshold), else top_u. With a policy given, an option it does not read is refused")
     reveal_count: Count = Field(2, description="u: positions revealed per step by top_u and top_u_or_threshold")
     confidence_threshold: Fraction = Field(0.9, description="tau: the confidence at or above which threshold and "
                                            "top_u_or_threshold reveal a position")
@@ -95,10 +160,35 @@ class MaskedOptions(SamplingOptions):
                                           "do, PUMBA App. B.4.3)")
 
     @model_validator(mode="after")
+    def _policy_implied(self):
+        """tau given without a policy selects threshold, u and tau top_u_or_threshold (`implied_policy`); the policy
+        stays unset (not given), so a later override or replace implies it again from what is given then."""
+        if "policy" not in self.model_fields_set:
+            self.__dict__["policy"] = implied_policy(self.model_fields_set)
+        return self
+
+    @model_validator(mode="after")
     def _cache_needs_blocks(self):
         if self.cache is not None and self.block_size is None:
             raise _invalid(f"cache {self.cache} (Fast-dLLM) needs a block_size: the cache is refreshed at each block")
         return self
+
+    def in_effect(self, spec=None) -> dict[str, Any]:
+        """policy and the options it reads, block_size (a block-causal model's own when unset), kv_cache on
+        block-causal models, cache on full-canvas models without a carry decoded in blocks, reset_carry_per_block on
+        full-canvas carry models decoded in blocks; without a `spec`, whatever could apply."""
+        block_causal = getattr(spec, "attention", None) == "block_causal"
+        carry = getattr(spec, "carry", None)  # None: unknown
+        used = {"policy", *POLICY_USES[self.policy], "block_size"}
+        if spec is None or block_causal:
+            used.add("kv_cache")
+        if self.block_size is not None and not block_causal:
+            used |= {"cache"} if not carry else set()
+            used |= {"reset_carry_per_block"} if carry or spec is None else set()
+        values = {k: v for k, v in self.model_dump(mode="json").items() if k in used}
+        if block_causal and self.block_size is None:
+            values["block_size"] = spec.block_size
+        return values
 
 
 class SimplexOptions(SamplingOptions):
@@ -125,6 +215,15 @@ class SimplexOptions(SamplingOptions):
         if self.guidance_scale != 0 and self.reward_model is None:
             raise _invalid(f"guidance_scale {self.guidance_scale} needs a reward_model to guide with")
         return self
+
+    def in_effect(self, spec=None) -> dict[str, Any]:
+        """Every option, except the reward guidance's (reward_model, guidance_steps, guidance_temperature) while
+        guidance_scale is 0."""
+        off = GUIDANCE if self.guidance_scale == 0 else ()
+        return {k: v for k, v in self.model_dump(mode="json").items() if k not in off}
+
+
+GUIDANCE = ("reward_model", "guidance_steps", "guidance_temperature")  # read only with a guidance_scale
 
 
 class AutoregressiveOptions(SamplingOptions):
@@ -157,9 +256,10 @@ class SamplingSettings(create_model("_EveryFamily", __config__=ConfigDict(extra=
         return self
 
     def sampling_options(self, family: str) -> SamplingOptions:
-        """The options of a `family` model: its fields that were set here, the family's defaults for the rest."""
+        """The options of a `family` model: its fields that were set here, the family's defaults for the rest (a
+        policy option set without a policy selects its policy; nothing is refused: a recipe's values are defaults)."""
         cls = options_class(family)
-        return parse_options(family, {k: getattr(self, k) for k in cls.model_fields if k in self.model_fields_set})
+        return _validate(cls, {k: getattr(self, k) for k in cls.model_fields if k in self.model_fields_set}, None)
 
 
 def options_class(family: str) -> type[SamplingOptions]:
@@ -181,23 +281,27 @@ def option_name(key: str) -> str:
 
 def parse_options(family: str, values: Mapping[str, Any] | None = None, *, strict: bool = True,
                   names: Mapping[str, str] | None = None) -> SamplingOptions:
-    """A `family` model's options from plain values (None = the default). A key that no family takes is an error; a
-    key of another family's sampler is an error when `strict`, else left out (`ignored` says why). `names` maps a
-    field to how the user wrote it (e.g. "--tau"), for the messages."""
+    """A `family` model's options from plain values a user gave (None = the default), by the module's policy rule. A
+    key that no family takes is an error; a key of another family's sampler is an error when `strict`, else left out
+    (`ignored` says why). `names` maps a field to how the user wrote it (e.g. "--tau"), for the messages."""
     cls = options_class(family)
     given = _known({k: v for k, v in (values or {}).items() if v is not None})
     foreign = [k for k in given if k not in cls.model_fields]
     if foreign and strict:
         raise OptionsError("; ".join(f"{_label(k, names)}{k} is a {OWNER[k]}-sampler option; {family} models do not "
                                      "take it" for k in foreign))
-    return _validate(cls, {k: v for k, v in given.items() if k not in foreign}, names)
+    own = {k: v for k, v in given.items() if k not in foreign}
+    refuse_unused(own, names)
+    return _validate(cls, own, names)
 
 
 def parse_settings(values: Mapping[str, Any] | None = None, *,
                    names: Mapping[str, str] | None = None) -> SamplingSettings:
-    """Every family's options from one set of plain values (None = the default): each value is checked by the family
-    that takes it; a key no family takes is an error."""
-    return _validate(SamplingSettings, _known({k: v for k, v in (values or {}).items() if v is not None}), names)
+    """Every family's options from one set of plain values a user gave (None = the default): each value is checked by
+    the family that takes it, and by the module's policy rule; a key no family takes is an error."""
+    given = _known({k: v for k, v in (values or {}).items() if v is not None})
+    refuse_unused(given, names)
+    return _validate(SamplingSettings, given, names)
 
 
 def resolve_options(family: str, options=None, *, strict: bool = True) -> SamplingOptions:
@@ -219,9 +323,12 @@ def resolve_options(family: str, options=None, *, strict: bool = True) -> Sampli
     raise TypeError(f"sampling options must be SamplingOptions, SamplingSettings or a mapping, not {type(options)}")
 
 
-def ignored(family: str, options) -> list[str]:
+def ignored(family: str, options, spec=None, effective: SamplingOptions | None = None) -> list[str]:
     """The settings given in `options` that a `family` model does not use, e.g. ['confidence_threshold (masked
-    sampler)']: the note to print when one set of settings serves models of several families."""
+    sampler)']: the note to print when one set of settings serves models of several families. With the model's
+    `spec`, also its own family's given settings not in effect on it (`in_effect` of `effective`, the options it
+    samples with; default: those of `options`), e.g. ['kv_cache (not read with these settings on a bidirectional
+    model)']."""
     if isinstance(options, (SamplingSettings, SamplingOptions)):
         given = [k for k in OWNER if k in options.model_fields_set]
     elif isinstance(options, Mapping):
@@ -229,7 +336,12 @@ def ignored(family: str, options) -> list[str]:
     else:
         given = []
     own = options_class(family).model_fields
-    return [f"{k} ({OWNER[k]} sampler)" for k in given if k not in own]
+    notes = [f"{k} ({OWNER[k]} sampler)" for k in given if k not in own]
+    if spec is not None and any(k in own for k in given):
+        used = (effective or resolve_options(family, options, strict=False)).in_effect(spec)
+        model = f"{getattr(spec, 'attention', '')} model" + (" with a carry" if getattr(spec, "carry", False) else "")
+        notes += [f"{k} (not read with these settings on a {model})" for k in given if k in own and k not in used]
+    return notes
 
 
 def _known(values: dict) -> dict:

@@ -203,17 +203,18 @@ def _response(job: Job, results: list[dict], chat: bool, engine: Engine) -> JSON
     body = protocol.head(protocol.new_id(chat), chat, engine.name, chunk=False)
     body["choices"] = [protocol.choice(chat, i, r["text"], r["finish_reason"], chunk=False)
                        for i, r in enumerate(results)]
-    body.update(_usage(job, results))
+    body.update(_usage(job, results, engine))
     return JSONResponse(body)
 
 
-def _usage(job: Job, results: list[dict]) -> dict:
-    """usage (prompts counted once each), NFE per choice, and the sampling options the job decoded with."""
+def _usage(job: Job, results: list[dict], engine: Engine) -> dict:
+    """usage (prompts counted once each), NFE per choice, and the sampling options the job decoded with (those in
+    effect: no tau under top_u, no kv_cache on a full-canvas model)."""
     prompt_tokens = sum(len(p) for p in _distinct(job.rows))
     completion = sum(r["completion_tokens"] for r in results)
     return {"usage": protocol.usage(prompt_tokens, completion), "nfe": [r["nfe"] for r in results],
             "sampling": {"family": job.family, "max_tokens": job.max_tokens, "temperature": job.temperature,
-                         **job.options.model_dump()}}
+                         **job.options.in_effect(engine.spec)}}
 
 
 def _distinct(rows: list[list[int]]) -> list[list[int]]:
@@ -256,7 +257,7 @@ async def _events(job: Job, chat: bool, engine: Engine, timeout: float, state: d
                 results = payload[0]
                 yield _sse({**head, "choices": [protocol.choice(chat, i, None, r["finish_reason"], True)
                                                 for i, r in enumerate(results)]})
-                yield _sse({**head, "choices": [], **_usage(job, results)})
+                yield _sse({**head, "choices": [], **_usage(job, results, engine)})
                 state["served"] += 1
                 break
         yield "data: [DONE]\n\n"

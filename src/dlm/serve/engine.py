@@ -16,7 +16,7 @@ from dlm.data.prompts import generation_span
 from dlm.errors import DlmError, OptionsError
 from dlm.modeling.device import placement
 from dlm.sampling import load_for_inference, resolve_options
-from dlm.sampling.options import OWNER, ignored, option_name, options_class
+from dlm.sampling.options import OWNER, UnusedOptionError, ignored, option_name, options_class
 from dlm.serve.protocol import ApiError, ChatRequest, CompletionRequest
 from dlm.serve.stream import ChoiceText, Job, Pieces, serialized
 
@@ -66,11 +66,11 @@ class Engine:
         self.context = getattr(self.model.config, "max_position_embeddings", None)
         recipe = run_recipe(path)
         base = recipe.eval.sampling_options(self.family) if recipe else resolve_options(self.family)
-        self.ignored = ignored(self.family, defaults) if defaults is not None else []
-        if defaults is not None:
-            chosen = resolve_options(self.family, defaults, strict=False).model_dump(exclude_unset=True)
-            base = base.replace(**chosen)
+        if defaults is not None:  # the flags over the recipe's: set by the user, so under the policy rule
+            chosen = resolve_options(self.family, defaults, strict=False)
+            base = base.override({k: getattr(chosen, k) for k in chosen.model_fields_set})
         self.defaults = base
+        self.ignored = ignored(self.family, defaults, self.spec, base) if defaults is not None else []
         self.default_max_tokens = limits.default_max_tokens or (recipe.eval.max_new_tokens if recipe else 64)
         self.default_temperature = recipe.eval.temperature if recipe else 0.0
         self.lock = threading.Lock()  # one tokenizer call at a time (request threads and the decoding thread)
@@ -120,7 +120,8 @@ class Engine:
                    eos_id=self.tok.eos_token_id, block_size=block, pieces=self.pieces)
 
     def _options(self, request):
-        """The request's sampling options over the defaults; another family's option is a 400 naming it."""
+        """The request's sampling options over the defaults; another family's option, or one the request's policy
+        does not read, is a 400 naming it (`SamplingOptions.override`: tau without a policy selects threshold)."""
         values, given = {}, {}
         for key, value in request.options.items():
             name = option_name(key)
@@ -145,8 +146,10 @@ class Engine:
             if "top_p" in values:
                 raise ApiError(400, "top_p is given twice", "top_p")
             values["top_p"] = top_p
-        try:
-            options = self.defaults.replace(**values)
+        try:  # the request's options are given: one the chosen policy does not read is refused, naming it
+            options = self.defaults.override(values, names=given)
+        except UnusedOptionError as err:
+            raise ApiError(400, str(err), given[err.field], "unused_option") from None
         except OptionsError as err:
             raise ApiError(400, str(err), next(iter(given.values()), None)) from None
         if getattr(options, "cache", None) and (self.spec.attention == "block_causal" or self.spec.carry):
