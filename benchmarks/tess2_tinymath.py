@@ -269,7 +269,8 @@ def easy_blocks(data: dict) -> dict[str, list[str]]:
                  "| mean reward of the outputs | " + " | ".join(f"{r['mean_reward']:.3f}" for r in rows) + " |"]
         if "reward" in data.get("test_eval", {}):
             r = data["test_eval"]["reward"]
-            lines += ["", f"The reward model ranks {100 * r['eval/accuracy']:.1f} % of the {r['eval/n']} held-out "
+            ranked = r.get("eval/pairwise_accuracy", r["eval/accuracy"])  # eval/accuracy: runs before the rename
+            lines += ["", f"The reward model ranks {100 * ranked:.1f} % of the {r['eval/n']} held-out "
                       "test pairs correctly."]
         lines += ["", "Paired by problem against η = 0:", ""] + _paired_lines(rows, "eta", 0.0)
         out["guidance"] = lines

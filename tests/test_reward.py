@@ -87,6 +87,29 @@ def test_scores_from_ids_and_soft_embeddings_agree_and_survive_save_load(tmp_pat
         assert torch.allclose(reward_scores(loaded, last, input_ids=ids), a, atol=1e-6)
 
 
+def test_a_reward_run_reports_pairwise_accuracy_under_that_name(tmp_path, capsys):
+    """The end of `dlm train` on a reward recipe: the share of test pairs ranked correctly, named so, counted in pairs,
+    no NFE (a reward model generates nothing); eval.json names it too and equals the pairs written beside it."""
+    from dlm.config import load_recipe
+    from dlm.training.loop import train
+
+    recipe = load_recipe(None, [
+        f"out_dir={tmp_path / 'rm'}", f"data.dir={tmp_path / 'data'}", "data.level=easy", "data.n_train=40",
+        "data.n_validation=2", "data.n_test=7", "data.preference_pairs=true", "model.preset=nano",
+        "model.vocab_size=300", "model.max_length=96", "train.objective=reward", "train.steps=2",
+        "train.batch_size=4", "optim.warmup_steps=1"])
+    run = train(recipe, progress=False)
+    result = json.loads((run / "eval.json").read_text())
+    wins = [json.loads(line)["correct"] for line in (run / "test_samples.jsonl").read_text().splitlines()]
+    assert len(wins) == 7 and result["eval/pairwise_accuracy"] == sum(wins) / 7
+    assert result["eval/accuracy"] == result["eval/pairwise_accuracy"]  # the old key, for its readers
+    assert "eval/mean_nfe" not in result
+    printed = capsys.readouterr().out
+    line = next(x for x in printed.splitlines() if x.startswith("test "))
+    assert line == (f"test pairwise accuracy: {100 * sum(wins) / 7:.1f}% on 7 pairs (share of pairs where the "
+                    "correct response scores higher)")
+
+
 @pytest.mark.slow  # a learning test (minutes): scheduled first under `pytest -n 2` (tests/conftest.py)
 def test_reward_model_learns_to_rank_tinymath_pairs(tmp_path):
     from dlm.config import load_recipe
@@ -101,7 +124,7 @@ def test_reward_model_learns_to_rank_tinymath_pairs(tmp_path):
     curve = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     result = json.loads((run / "eval.json").read_text())
     print(f"loss {curve[0]['loss']:.3f} -> {curve[-1]['loss']:.3f}; "
-          f"held-out pair accuracy {result['eval/accuracy']:.3f}")
+          f"held-out pairwise accuracy {result['eval/pairwise_accuracy']:.3f}")
     late = sum(r["loss"] for r in curve[-3:]) / 3
     assert late < 0.85 * math.log(2)  # log 2: the loss of a model that cannot tell the pair apart
-    assert result["eval/accuracy"] >= 0.7  # chance is 0.5
+    assert result["eval/pairwise_accuracy"] >= 0.7  # chance is 0.5

@@ -529,13 +529,21 @@ def train(recipe: Recipe, resume: bool = False, progress: bool = True, extend_to
         result = trainer.evaluate("test", recipe.eval.test_n)
         if trainer.acc.is_main_process and result:
             samples = result.pop("samples")
+            pairs = recipe.train.objective == "reward"  # a reward model ranks pairs and generates nothing: no NFE
+            if pairs:  # its score under its own name; eval/accuracy stays for readers of the old key
+                result = {"eval/pairwise_accuracy": result["eval/accuracy"],
+                          **{k: v for k, v in result.items() if k != "eval/mean_nfe"}}
             (run_dir / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
             (run_dir / "test_samples.jsonl").write_text("".join(json.dumps(x) + "\n" for x in samples))
             n = result["eval/n"]
             early = f"; the model stopped at update {trainer.step} of {recipe.train.steps}" \
                 if trainer.step < recipe.train.steps else ""
-            print(f"test accuracy: {100 * result['eval/accuracy']:.1f}% on {n} problem{'s' * (n != 1)} "
-                  f"(mean NFE {result['eval/mean_nfe']:.1f}{early})")
+            if pairs:
+                print(f"test pairwise accuracy: {100 * result['eval/pairwise_accuracy']:.1f}% on {n} "
+                      f"pair{'s' * (n != 1)} (share of pairs where the correct response scores higher{early})")
+            else:
+                print(f"test accuracy: {100 * result['eval/accuracy']:.1f}% on {n} problem{'s' * (n != 1)} "
+                      f"(mean NFE {result['eval/mean_nfe']:.1f}{early})")
     return run_dir
 
 
