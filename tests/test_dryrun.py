@@ -13,7 +13,7 @@ from dlm.cli import main
 from dlm.config import GPUS, load_recipe, model_spec
 from dlm.modeling.backbone import count_parameters
 from dlm.modeling.build import build
-from dlm.training.dryrun import estimate, meta_model
+from dlm.training.dryrun import estimate, meta_model, rows
 from tests.foreign import write_llada
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -250,3 +250,37 @@ def test_cli_json_equals_the_estimate_and_flags_what_does_not_fit(capsys):
     main(["train", str(path), "--dry-run", "--set", "train.activation_checkpointing=false"])
     out = capsys.readouterr().out
     assert "DOES NOT FIT" in out and "8.06 B total" in out
+
+
+def test_a_setting_that_changes_the_global_batch_is_said_and_timed_for_that_batch(capsys):
+    """Halving scale.num_processes halves the global batch (batch_size x grad_accum x num_processes): the dry run says
+    so against the recipe's own batch, times the batch it will run, and names the grad_accum that restores it (whose
+    time it gives, equal to that setting's own estimate)."""
+    path = ROOT / "recipes/scale/llada8b-block-pumba.yaml"
+    written = load_recipe(path)
+    sized = written.train.batch_size * written.train.grad_accum * written.scale.num_processes
+    half = written.scale.num_processes // 2
+    as_written = estimate(written, path)
+    assert as_written["sized_for"]["sequences"] == as_written["global_sequences_per_update"] == sized
+    assert not any("global batch" in n for n in as_written["notes"])
+    sets = [f"scale.num_processes={half}", "scale.gpu=H200-141GB"]
+    r = estimate(load_recipe(path, sets), path)
+    assert r["global_sequences_per_update"] == sized // 2 and r["sized_for"]["sequences"] == sized
+    assert r["flops_per_update"] == pytest.approx(as_written["flops_per_update"] / 2)  # the batch it runs
+    assert r["seconds_per_update"] == pytest.approx(
+        r["flops_per_update"] / (half * GPUS["H200-141GB"].peak_flops * r["mfu"]))
+    accum = 2 * written.train.grad_accum
+    restored = estimate(load_recipe(path, [*sets, f"train.grad_accum={accum}"]), path)
+    assert restored["global_sequences_per_update"] == sized and not any("global batch" in n for n in restored["notes"])
+    assert restored["seconds_per_update"] == pytest.approx(2 * r["seconds_per_update"])
+    note = next(n for n in r["notes"] if n.startswith("global batch"))
+    assert f"global batch {sized // 2} sequences" in note and f"not the {sized} the recipe is sized for" in note
+    assert f"--set train.grad_accum={accum} keeps {sized}: {restored['seconds_per_update']:.2f} s per update" in note
+    shown = dict(rows(r))  # what the table prints
+    assert shown["tokens per update (global)"].endswith(
+        f"({sized // 2} seq = batch_size {written.train.batch_size} x grad_accum {written.train.grad_accum} x "
+        f"{half} processes; NOT the recipe's {sized})")
+    assert shown["time per update"].startswith(f"{r['seconds_per_update']:.2f} s for {sized // 2} seq at MFU")
+    assert "seq" not in dict(rows(as_written))["time per update"]  # unchanged where the batch is the recipe's
+    main(["train", str(path), "--dry-run", *(x for s in sets for x in ("--set", s))])
+    assert "NOT the recipe's" in capsys.readouterr().out

@@ -312,7 +312,10 @@ def estimate(recipe: Recipe, recipe_path: str | Path | None = None) -> dict:
     passes = window
     extra_fwd = recipe.simplex.self_condition_prob if tc.objective == "simplex" else 0.0
     flops = compute_positions * (passes * per_position + extra_fwd * fwd)
-    seconds = flops / (par.processes * gpu.peak_flops * sc.mfu)
+    seconds = flops / (par.processes * gpu.peak_flops * sc.mfu)  # for this global batch, the one the run will take
+    batch = {"batch_size": tc.batch_size, "grad_accum": tc.grad_accum, "processes": par.processes,
+             "sequences": global_seqs}
+    sized_for = written_batch(recipe_path)
 
     notes = []
     if par.backend == "zero3" and tc.objective in ("pu", "simplex", "reward"):
@@ -321,6 +324,8 @@ def estimate(recipe: Recipe, recipe_path: str | Path | None = None) -> dict:
     if total_bytes > gpu.memory_bytes and not tc.activation_checkpointing and act_with < activations:
         notes.append(f"train.activation_checkpointing: true would cut activations to {_g(act_with)} (total "
                      f"{_g(total_bytes - activations + act_with)})")
+    if sized_for is not None and sized_for["sequences"] != global_seqs:
+        notes.append(batch_note(batch, sized_for, seconds, tc.steps))
     if tc.objective == "pu" and window > 1 and not pass_ckpt_pu and not tc.activation_checkpointing:
         notes.append(f"PU keeps the activations of all W={window} passes: progressive.activation_checkpointing or "
                      f"train.activation_checkpointing keeps them from growing W-fold")
@@ -340,10 +345,47 @@ def estimate(recipe: Recipe, recipe_path: str | Path | None = None) -> dict:
         "gpu": {"name": sc.gpu, "memory_bytes": gpu.memory_bytes, "peak_bf16_flops": gpu.peak_flops},
         "fits": total_bytes <= gpu.memory_bytes,
         "tokens_per_update": canvas_tokens, "global_sequences_per_update": global_seqs,
+        "global_batch": batch, "sized_for": sized_for,
         "flops_per_update": flops, "mfu": sc.mfu, "seconds_per_update": seconds,
         "hours_for_run": seconds * tc.steps / 3600, "steps": tc.steps,
         "notes": notes, "formulas": FORMULAS,
     }
+
+
+def written_batch(recipe_path: str | Path | None) -> dict | None:
+    """The global batch the recipe file is sized for, before any --set (train.batch_size x train.grad_accum x
+    scale.num_processes); None without a file, or one that does not load alone."""
+    if recipe_path is None:
+        return None
+    from dlm.config import load_recipe
+
+    try:
+        written = load_recipe(recipe_path)
+    except DlmError:
+        return None
+    tc, sc = written.train, written.scale
+    return {"batch_size": tc.batch_size, "grad_accum": tc.grad_accum, "processes": sc.num_processes,
+            "sequences": tc.batch_size * tc.grad_accum * sc.num_processes}
+
+
+def batch_note(batch: dict, sized_for: dict, seconds: float, steps: int) -> str:
+    """What a setting that changes the global batch changes, and the train.grad_accum that restores it (time per
+    update grows with it: FLOPs are linear in the global batch)."""
+    note = (f"global batch {batch['sequences']} sequences ({_product(batch)}), not the {sized_for['sequences']} the "
+            f"recipe is sized for ({_product(sized_for)}): time per update and whole run are for "
+            f"{batch['sequences']}")
+    per_accum = batch["batch_size"] * batch["processes"]
+    if sized_for["sequences"] % per_accum:
+        return note + f"; no whole train.grad_accum gives {sized_for['sequences']} with {_product(batch, accum=False)}"
+    accum = sized_for["sequences"] // per_accum
+    scaled = seconds * accum / batch["grad_accum"]
+    return note + (f"; --set train.grad_accum={accum} keeps {sized_for['sequences']}: {_t(scaled)} per update, "
+                   f"{_t(scaled * steps)} for {steps:,} updates")
+
+
+def _product(b: dict, accum: bool = True) -> str:
+    accums = [f"grad_accum {b['grad_accum']}"] if accum else []
+    return " x ".join([f"batch_size {b['batch_size']}", *accums, f"{b['processes']} processes"])
 
 
 # ---- output -------------------------------------------------------------------------------------------------------
@@ -378,6 +420,10 @@ def rows(r: dict) -> list[tuple[str, str]]:
     ck = r["activation_checkpointing"]
     ckpt = ", ".join(k for k, v in (("train", ck["train"]), ("progressive", ck["progressive"])) if v) or "off"
     share = f" ({100 * p['trainable'] / p['total']:.2g} %)" if p["trainable"] != p["total"] else ""
+    seqs, sized = r["global_sequences_per_update"], r.get("sized_for")
+    differs = sized is not None and sized["sequences"] != seqs  # a --set changed the global batch: say so
+    changed = f" = {_product(r['global_batch'])}; NOT the recipe's {sized['sequences']}" if differs else ""
+    this = f" for {seqs} seq" if differs else ""
     return [
         ("model", f"{r['architecture']} from {r['model_source']}"),
         ("parameters", f"{_n(p['total'])} total, {_n(p['trainable'])} trainable{share}"),
@@ -395,10 +441,11 @@ def rows(r: dict) -> list[tuple[str, str]]:
         ("checkpointing as configured", ckpt),
         ("total per device", f"{_g(mem['total'])} of {_g(r['gpu']['memory_bytes'])} ({r['gpu']['name']})"
                              + ("" if r["fits"] else "  DOES NOT FIT")),
-        ("tokens per update (global)", f"{_n(r['tokens_per_update'])} ({r['global_sequences_per_update']} seq)"),
-        ("time per update", f"{_t(r['seconds_per_update'])} at MFU {r['mfu']:g} on {r['parallelism']['processes']} x "
-                            f"{r['gpu']['name']} ({r['flops_per_update'] / 1e12:,.4g} TFLOP)"),
-        ("whole run", f"{_t(r['hours_for_run'] * 3600)} for {r['steps']:,} updates"),
+        ("tokens per update (global)", f"{_n(r['tokens_per_update'])} ({seqs} seq{changed})"),
+        ("time per update", f"{_t(r['seconds_per_update'])}{this} at MFU {r['mfu']:g} on "
+                            f"{r['parallelism']['processes']} x {r['gpu']['name']} "
+                            f"({r['flops_per_update'] / 1e12:,.4g} TFLOP)"),
+        ("whole run", f"{_t(r['hours_for_run'] * 3600)} for {r['steps']:,} updates{this.replace('for', 'of')}"),
     ]
 
 
