@@ -20,9 +20,10 @@ including its first EOS; raw weights), and every --val-every updates the same qu
 validation sequences. The relative completion loss of an inserted sequence is its loss over its mean in the 20 updates
 before insertion, divided by the same ratio for the validation completion loss (App. D.1).
 
-The JSON holds every per-update loss and the settings; --report turns it into docs/results/pumba-local-overfitting.md
-(a Table-9-like table) and .png (Fig. 2 middle: mean log relative loss around insertion, ±1 s.e. over the inserted
-sequences), so the doc's numbers come from the JSON.
+The JSON (default runs/pumba-local-overfitting.json) holds every per-update loss and the settings; --report turns it
+into the .md beside it (a Table-9-like table) and the .png (Fig. 2 middle: mean log relative loss around insertion,
+±1 s.e. over the inserted sequences), so the doc's numbers come from the JSON: the commands above rewrite the
+committed docs/results/pumba-local-overfitting.*.
 """
 
 from __future__ import annotations
@@ -463,16 +464,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--canvas", type=int, default=144, help="canvas tokens (model.max_length of the Post-SFT arms)")
     ap.add_argument("--seed", type=int, default=0, help="train.seed: data order, masks, initial stages")
-    ap.add_argument("--json", default="docs/results/pumba-local-overfitting.json", help="where the results go")
+    ap.add_argument("--json", default="runs/pumba-local-overfitting.json",
+                    help="where the results go (default: %(default)s; docs/results/ holds the committed one)")
     ap.add_argument("--report", metavar="JSON", help="only write the doc and plot from an existing JSON")
-    ap.add_argument("--md", default="docs/results/pumba-local-overfitting.md")
-    ap.add_argument("--png", default="docs/results/pumba-local-overfitting.png")
+    ap.add_argument("--md", help="the results doc (default: beside the JSON, .md)")
+    ap.add_argument("--png", help="the plot (default: beside the JSON, .png)")
     args = ap.parse_args(argv)
+    source = Path(args.report or args.json)
+    args.md, args.png = args.md or str(source.with_suffix(".md")), args.png or str(source.with_suffix(".png"))
     if args.report:
         if not Path(args.report).is_file():
             print(f"local_overfitting: --report {args.report}: no such file", file=sys.stderr)
             return 2
-        report(Path(args.report), Path(args.md), Path(args.png))
+        report(source, Path(args.md), Path(args.png))
         print(f"wrote {args.md} and {args.png}")
         return 0
     for flag, path in (("--start", args.start), ("--data", args.data)):
@@ -512,6 +516,7 @@ def main(argv: list[str] | None = None) -> int:
                       args.val_n, args.seed, args.lr, args.warmup, args.canvas, maskable_mean=M)
         result["runs"][arm] = run
         result["seconds"] = round(time.time() - t0, 1)
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result) + "\n")
         r = summarize(run, args.later, args.tail)
         print(f"[{arm}] K={run['K']} {run['seconds']:.0f}s distinct={run['distinct_sequences']} "

@@ -160,16 +160,19 @@ def load_table(json_path: Path) -> StudyTable:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="*", type=Path, help="finished training runs, one per level (none: read --json)")
-    p.add_argument("--json", type=Path, default=Path("docs/results/tinymath-levels.json"))
-    p.add_argument("--doc", type=Path, default=Path("docs/results/tinymath-levels.md"))
+    p.add_argument("--json", type=Path, default=Path("runs/tinymath-levels.json"),
+                   help="the table (default: %(default)s; the committed one: docs/results/tinymath-levels.json)")
+    p.add_argument("--doc", type=Path, help="the doc whose study markers are rewritten (default: beside --json, .md)")
     a = p.parse_args(argv)
+    a.doc = a.doc or a.json.with_suffix(".md")
     try:
         table = collect(a.runs, a.json) if a.runs else load_table(a.json)
         png = a.doc.with_suffix(".png")
         command = (f"python benchmarks/tinymath_levels.py --json {os.path.relpath(a.json)} "
                    f"--doc {os.path.relpath(a.doc)}")
         plot(table, png)
-        write_study_section(a.doc, report_lines(table, png.name, command))
+        write_study_section(a.doc, report_lines(table, png.name, command),
+                            title=None if a.doc.is_file() else "How hard is each tinymath level?")
     except DlmError as e:
         raise SystemExit(f"tinymath_levels.py: {e}") from None
     print(f"wrote {a.json}, {a.doc} and {png}")

@@ -179,7 +179,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--work", default="runs/bench-overhead")
-    ap.add_argument("--out", default="docs/results/training-overhead.json")
+    ap.add_argument("--out", default="runs/training-overhead.json",
+                    help="results JSON (default: %(default)s; the committed ones are under docs/results/)")
     ap.add_argument("--notes", default="", help="free text recorded with the results (machine load, ...)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()

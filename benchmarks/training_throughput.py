@@ -70,7 +70,8 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
-    p.add_argument("--out", type=Path, default=Path("docs/results/training-throughput.md"))
+    p.add_argument("--out", type=Path, default=Path("runs/training-throughput.md"),
+                   help="the report (default: %(default)s; the committed one: docs/results/training-throughput.md)")
     p.add_argument("--notes", type=Path, help="a markdown file appended to the report (the reading of the numbers)")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
@@ -80,7 +81,7 @@ def main() -> None:
         r["fraction_of_gemm"] = r["model_flops_per_s"] / peak
         print(json.dumps(r))
     cmd = (f"python benchmarks/training_throughput.py --batch {a.batch} --seq {a.seq} --vocab {a.vocab} "
-           f"--threads {a.threads}" + (f" --notes {a.notes}" if a.notes else ""))
+           f"--threads {a.threads}" + (f" --notes {a.notes}" if a.notes else "") + f" --out {a.out}")
     lines = [
         "# Training throughput of the size presets", "",
         f"- command: `{cmd}`",
