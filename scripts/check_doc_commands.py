@@ -160,7 +160,8 @@ def check(kind: str, script: Path | None, argv: list[str]) -> str | None:
             return lines[-1] if lines else f"exit {e.code}"
         finally:
             sys.argv = old_argv
-    if kind == "dlm" and getattr(namespace, "command", None) == "train" and getattr(namespace, "recipe", None):
+    if kind == "dlm" and getattr(namespace, "command", None) == "train" and getattr(namespace, "recipe", None) \
+            and not namespace.recipe.startswith("runs/"):  # a run's recorded recipe: made by an earlier command
         from dlm.config import load_recipe
         from dlm.errors import DlmError
 

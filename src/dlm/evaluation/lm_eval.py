@@ -299,5 +299,12 @@ def main(argv: Sequence[str]) -> None:
         args = ["run", "--help"]
     elif args and not any(a.split("=")[0] == "--include_path" for a in args):
         args += ["--include_path", str(TASKS_DIR)]
+    if args and args[0] not in ("-h", "--help") and not any(a.split("=")[0] == "--device" for a in args):
+        args += ["--device", "auto"]  # lm-eval's own default is cuda:0, absent on a laptop: dlm's auto instead
+    from dlm.config import SMOKE_ENV, SMOKE_N, smoke
+
+    if smoke() and args and args[0] not in ("-h", "--help") and not any(a.split("=")[0] == "--limit" for a in args):
+        args += ["--limit", str(SMOKE_N)]  # the documented commands at toy scale (scripts/run_doc_commands.py)
+        print(f"{SMOKE_ENV}=1: --limit {SMOKE_N}; not a result", file=sys.stderr)
     sys.argv = ["lm-eval", *args]
     cli_evaluate()

@@ -337,7 +337,8 @@ class Trainer:
             with ctx:
                 r = evaluate(model, self.tok, records, ec, batch_size=ec.batch_size, max_new_tokens=ec.max_new_tokens,
                              temperature=ec.temperature, seed=self.recipe.train.seed,
-                             truncate_prompts=True)  # as the training canvases keep a prompt's end
+                             truncate_prompts=True,  # as the training canvases keep a prompt's end
+                             progress=self.progress and split == "test")  # the end-of-training test can take minutes
             result = {"eval/accuracy": r["accuracy"], "eval/mean_nfe": r["mean_nfe"], "eval/split": split,
                       "eval/n": r["n"], "eval/ms_per_problem": r["ms_per_problem"], "samples": r["samples"]}
         self.acc.wait_for_everyone()
