@@ -124,3 +124,18 @@ def test_end_of_training_test_shows_progress(tmp_path, capsys):
     train(small_recipe(tmp_path / "run", tmp_path / "data", "train.steps=2", "eval.batch_size=2"), progress=True)
     captured = capsys.readouterr()
     assert "generating" in captured.err and "test accuracy" in captured.out
+
+
+def test_generation_length_defaults_to_the_runs_tested_canvas(tmp_path):
+    """`dlm generate` / `dlm eval` on a run decode with the canvas its training test used (the tour's masked model:
+    40), not 128 positions past anything it trained on (slow, and out of its training distribution)."""
+    from dlm.config import dump_recipe, run_generation_length
+    from dlm.evaluation.run import default_max_new_tokens
+
+    run = tmp_path / "run"
+    (run / "model").mkdir(parents=True)
+    assert run_generation_length(run, 128) == 128 and default_max_new_tokens("tinymath", run) == 128
+    (run / "recipe.yaml").write_text(dump_recipe(load_recipe(ROOT / "recipes" / "tour" / "mdm.yaml")))
+    assert run_generation_length(run, 128) == 40 and run_generation_length(run / "model", 128) == 40
+    assert default_max_new_tokens("tinymath", run / "model") == 40
+    assert default_max_new_tokens("humaneval", run) == 512

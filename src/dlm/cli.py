@@ -94,7 +94,10 @@ def _cmd_generate(a):
     prompts = list(a.prompt or []) + (read_prompts(a.file) if a.file else [])
     if not prompts:
         sys.exit("dlm generate: give at least one --prompt or a --file")
-    for r in generate_text(a.model, prompts, settings, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
+    from dlm.config import run_generation_length
+
+    length = a.max_new_tokens or run_generation_length(a.model, 128)
+    for r in generate_text(a.model, prompts, settings, max_new_tokens=length, temperature=a.temperature,
                            seed=a.seed, show_steps=a.show_steps, dtype=a.dtype, device=a.device,
                            truncate_prompts=a.truncate_prompts):
         print(f"user: {r['prompt']}\nassistant ({r['nfe']} NFE):\n{r['response']}\n")
@@ -223,15 +226,16 @@ def _cmd_eval(a):
         return
     if a.metric == "intrinsic":
         from dlm.evaluation.intrinsic import run_intrinsic
-        from dlm.evaluation.run import default_task_file
+        from dlm.evaluation.run import default_max_new_tokens, default_task_file
 
         if not a.reference_model:
             sys.exit("dlm eval: --metric intrinsic needs --reference-model (a held-out AR model directory)")
         if a.sweep:
             sys.exit("dlm eval: --metric intrinsic scores one setting per model; --sweep would be ignored: drop it")
         data = a.data or default_task_file(a.model[0], a.task)
+        length = a.max_new_tokens or default_max_new_tokens(a.task, a.model[0])
         run_intrinsic(a.model, data, a.reference_model, settings, n=a.n, batch_size=a.batch_size,
-                      max_new_tokens=a.max_new_tokens or 128, seed=a.seed, with_mauve=not a.no_mauve, out=a.out,
+                      max_new_tokens=length, seed=a.seed, with_mauve=not a.no_mauve, out=a.out,
                       dtype=a.dtype, device=a.device, truncate_prompts=a.truncate_prompts)
         return
     ks = [int(k) for k in a.pass_k.split(",")] if a.pass_k else [1]
@@ -398,7 +402,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--file", help="prompts, one per line (plain text or jsonl with a 'prompt' field)")
     g.add_argument("--truncate-prompts", action="store_true",
                    help="keep the end of a prompt too long for the model's context (default: refuse it)")
-    g.add_argument("--max-new-tokens", type=int, default=128, help="AR: token limit; masked: generation canvas length")
+    g.add_argument("--max-new-tokens", type=int, help="AR: token limit; masked: generation canvas length (default: "
+                   "the run's eval.max_new_tokens, the length its test used; else 128)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--show-steps", action="store_true",
@@ -441,7 +446,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "u=1,2,4,8 (masked); steps=10,100 or eta=0,0.25 (simplex)")
     e.add_argument("--batch-size", type=int, default=50)
     e.add_argument("--max-new-tokens", type=int, help="AR: token limit; masked: generation canvas length (default: "
-                   "128 for tinymath, 512 for humaneval, the task's own max_gen_toks for lm-eval tasks)")
+                   "tinymath: the first model's eval.max_new_tokens from its run's recipe, else 128; 512 for "
+                   "humaneval; the task's own max_gen_toks for lm-eval tasks)")
     e.add_argument("--temperature", type=float, help="0 = greedy (default; lm-eval tasks: the task's own setting)")
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--samples", metavar="FILE", help="write every problem's prompt, generation, NFE and grade here "

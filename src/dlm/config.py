@@ -350,6 +350,24 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] | None = No
         raise RecipeError(f"{where}: " + "; ".join(problems)) from None
 
 
+def run_recipe(path: str | Path) -> Recipe | None:
+    """The recipe of the run a model directory belongs to (run dir, its model/, or a checkpoint), or None."""
+    path = Path(path).expanduser().resolve()
+    candidates = [path, path.parent] + ([path.parent.parent] if path.parent.name == "checkpoints" else [])
+    recipe = next((d / "recipe.yaml" for d in candidates if (d / "recipe.yaml").is_file()), None)
+    return load_recipe(recipe) if recipe else None
+
+
+def run_generation_length(path: str | Path, fallback: int) -> int:
+    """The generation length a run was evaluated with while training (its recipe's eval.max_new_tokens: the canvas
+    its test used), else `fallback`: the default of `dlm generate` / `dlm eval` on a dlm run."""
+    try:
+        recipe = run_recipe(path)
+    except DlmError:
+        return fallback
+    return recipe.eval.max_new_tokens if recipe is not None else fallback
+
+
 # ---- smoke scale: every documented command run as written, in minutes (scripts/run_doc_commands.py) ------------
 SMOKE_ENV = "DLM_SMOKE"
 SMOKE_CAPS = {"train.steps": 3, "data.n_train": 256, "data.n_validation": 16, "data.n_test": 16, "eval.n": 8,

@@ -83,9 +83,14 @@ def evaluate_task(task: str, model, tok, records: Sequence[dict], options=None, 
     return evaluate(model, tok, records, options, max_new_tokens=max_new_tokens, **kwargs)
 
 
-def default_max_new_tokens(task: str) -> int:
-    """tinymath programs fit 128 tokens; HumanEval gets 512 (LLaDA's HumanEval generation length)."""
-    return 512 if task == "humaneval" else 128
+def default_max_new_tokens(task: str, model_path: str | Path | None = None) -> int:
+    """HumanEval gets 512 (LLaDA's HumanEval generation length); tinymath the length the model's run tested with
+    (its recipe's eval.max_new_tokens: a canvas past what the model trained on only costs time), else 128."""
+    if task == "humaneval":
+        return 512
+    from dlm.config import run_generation_length
+
+    return run_generation_length(model_path, 128) if model_path is not None else 128
 
 
 def task_baseline(task: str, records: Sequence[dict]) -> float | None:

@@ -54,7 +54,7 @@ def run_sweep(models: Sequence[str | Path], data: str | Path | None = None, opti
     first, problem by problem (`paired_rows`)."""
     name, values = parse_sweep(sweep, options)
     records, source = load_task(task, data, models[0] if models else None, n)
-    max_new_tokens = max_new_tokens or default_max_new_tokens(task)
+    max_new_tokens = max_new_tokens or default_max_new_tokens(task, models[0])
     rows, lines, outcomes, where = [], [], [], {}
     for path in models:
         model, tok = load_for_inference(path, dtype=dtype, device=device)

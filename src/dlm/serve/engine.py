@@ -43,16 +43,6 @@ class Limits:
                 raise DlmError(f"--{flag.replace('_', '-')} must be > 0, got {value}")
 
 
-def run_recipe(path: str | Path):
-    """The recipe of the run a model directory belongs to (run dir, its model/, or a checkpoint), or None."""
-    from dlm.config import load_recipe
-
-    path = Path(path).expanduser().resolve()
-    candidates = [path, path.parent] + ([path.parent.parent] if path.parent.name == "checkpoints" else [])
-    recipe = next((d / "recipe.yaml" for d in candidates if (d / "recipe.yaml").is_file()), None)
-    return load_recipe(recipe) if recipe else None
-
-
 class Engine:
     """A loaded model (`load_for_inference`), its tokenizer, sampling defaults and limits."""
 
@@ -64,6 +54,8 @@ class Engine:
         self.family = self.spec.family
         self.name = name or Path(path).expanduser().resolve().name
         self.context = getattr(self.model.config, "max_position_embeddings", None)
+        from dlm.config import run_recipe
+
         recipe = run_recipe(path)
         base = recipe.eval.sampling_options(self.family) if recipe else resolve_options(self.family)
         if defaults is not None:  # the flags over the recipe's: set by the user, so under the policy rule
