@@ -155,6 +155,18 @@ def serve_port(command: str) -> int:
     return int(m.group(1)) if m else 8000
 
 
+def wait_port_free(port: int, seconds: float) -> None:
+    """Wait while something (an earlier server being stopped, another run) still listens on `port`."""
+    import socket
+
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) != 0:
+                return
+        time.sleep(1)
+
+
 def wait_health(port: int, proc: subprocess.Popen, seconds: float) -> str | None:
     deadline = time.time() + seconds
     while time.time() < deadline:
@@ -170,7 +182,7 @@ def wait_health(port: int, proc: subprocess.Popen, seconds: float) -> str | None
 
 
 def run(docs: list[Path], workdir: Path, smoke: bool, section: str | None, seed: int | None, timeout: float,
-        keep_going: bool) -> list[dict]:
+        keep_going: bool, lines: list[int] | None = None) -> list[dict]:
     prepare(workdir)
     env = {**os.environ, "PATH": f"{ROOT / '.venv' / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
            "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
@@ -185,6 +197,8 @@ def run(docs: list[Path], workdir: Path, smoke: bool, section: str | None, seed:
             servers = []
             try:
                 for line, command in block["commands"]:
+                    if lines and line not in lines:
+                        continue
                     kind, why = classify(command, block["parse_only"])
                     where = f"{doc.relative_to(ROOT) if doc.is_relative_to(ROOT) else doc}:{line}"
                     record = {"doc": where, "command": command, "status": kind, "why": why, "seconds": 0.0,
@@ -195,6 +209,7 @@ def run(docs: list[Path], workdir: Path, smoke: bool, section: str | None, seed:
                         record["status"] = "parse-only" if problem is None else "failed"
                         record["output"] = problem or ""
                     elif kind == "serve":
+                        wait_port_free(serve_port(command), 300)
                         log = open(workdir / f"serve-{line}.log", "w")
                         proc = subprocess.Popen(["bash", "-c", with_seed(command, seed)], cwd=workdir, env=env,
                                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -244,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="DLM_SMOKE=1: toy scale (3 updates, 8 test problems)")
     ap.add_argument("--workdir", help="run here (default: a new temporary directory)")
     ap.add_argument("--section", help="only the blocks under a heading containing this text (e.g. tour)")
+    ap.add_argument("--line", type=int, action="append", help="only the command starting at this line of the doc "
+                    "(repeatable): rerun one that failed, in the same --workdir")
     ap.add_argument("--seed", type=int, help="append --set train.seed=SEED to every dlm train")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds one command may take (default 1800)")
     ap.add_argument("--keep-going", action="store_true", help="run every command even after a failure")
@@ -267,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(a.workdir).resolve() if a.workdir else Path(tempfile.mkdtemp(prefix="dlm-doc-commands-"))
     print(f"working directory: {workdir}{' (DLM_SMOKE=1: toy scale)' if a.smoke else ''}", flush=True)
     t0 = time.perf_counter()
-    results = run(docs, workdir, a.smoke, a.section, a.seed, a.timeout, a.keep_going)
+    results = run(docs, workdir, a.smoke, a.section, a.seed, a.timeout, a.keep_going, a.line)
     failed = [r for r in results if r["status"] == "failed"]
     counts = {s: sum(r["status"] == s for r in results) for s in ("ok", "parse-only", "skip", "failed")}
     print(f"{len(results)} documented commands: {counts['ok']} ran, {counts['parse-only']} parse-checked only, "

@@ -183,11 +183,12 @@ def _cmd_eval(a):
 
     settings = _sampling_settings(a)
     _device_first(a)
-    from dlm.config import SMOKE_ENV, SMOKE_N, smoke
+    from dlm.config import SMOKE_ENV, SMOKE_N, SMOKE_TOKENS, smoke
 
     if smoke():  # the documented commands at toy scale (scripts/run_doc_commands.py)
         a.n = min(a.n or SMOKE_N, SMOKE_N)
-        print(f"{SMOKE_ENV}=1: --n {a.n}; not a result", file=sys.stderr)
+        a.max_new_tokens = min(a.max_new_tokens or SMOKE_TOKENS, SMOKE_TOKENS)  # HumanEval's 512: minutes a problem
+        print(f"{SMOKE_ENV}=1: --n {a.n} --max-new-tokens {a.max_new_tokens}; not a result", file=sys.stderr)
     if a.task.startswith("lm-eval:"):
         from dlm.evaluation.lm_eval import run_lm_eval
 

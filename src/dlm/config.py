@@ -373,12 +373,13 @@ SMOKE_ENV = "DLM_SMOKE"
 SMOKE_CAPS = {"train.steps": 3, "data.n_train": 256, "data.n_validation": 16, "data.n_test": 16, "eval.n": 8,
               "eval.test_n": 8}
 SMOKE_N = 8  # problems a `dlm eval` / documents an lm-eval task runs under DLM_SMOKE
+SMOKE_TOKENS = 64  # the longest generation a `dlm eval` makes under DLM_SMOKE (a multiple of every block size used)
 
 
 def smoke() -> bool:
     """True when DLM_SMOKE=1: the documented commands run at toy scale (SMOKE_CAPS; `dlm eval --n` and lm-eval's
-    --limit at most SMOKE_N). For checking that commands work as written, never for results: every affected command
-    says so on stderr."""
+    --limit at most SMOKE_N, `dlm eval --max-new-tokens` at most SMOKE_TOKENS). For checking that commands work as
+    written, never for results: every affected command says so on stderr."""
     return os.environ.get(SMOKE_ENV, "") not in ("", "0")
 
 
