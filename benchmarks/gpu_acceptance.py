@@ -36,6 +36,7 @@ TOLERANCES = {  # set at 3-6x what CPU bf16 gives against CPU fp32 (2026-12-06, 
     "logits_bf16_rel": 0.05,  # trained models
     "logits_bf16_rel_random": 0.25,  # the random-weight LLaDA / Dream stand-ins (logits up to ~10 from random weights)
     "top1_bf16_min": 0.95,  # share of positions whose argmax equals CPU fp32's (trained models)
+    "merge_fp32_equal_min": 0.75,  # share of greedy responses of a merged model equal to its LoRA run's (fp32)
     "greedy_bf16_prefix_min": 0.75,  # mean over responses of (tokens before the first difference) / (longer length);
     # trained AR and MDM only: the stand-ins (random) and the 10-update LoRA (barely adapted) are recorded, not held
     "accuracy_bf16_abs": 0.125,  # |tinymath accuracy - CPU fp32's| (32 problems: 4 problems)
@@ -52,12 +53,15 @@ CHAT = "Mia has 12 apples. She gives 5 apples to Leo. How many apples does Mia h
 
 # ---- comparisons ----------------------------------------------------------------------------------------------------
 def compare_greedy(part: Part, what: str, tok, texts: dict[str, list[str]], nfe: dict[str, list] | None = None,
-                   bf16_asserted: bool = True) -> None:
-    """dev_fp32 = cpu_fp32 exactly (texts and NFE); dev_bf16 within greedy_bf16_prefix_min."""
+                   bf16_asserted: bool = True, fp32_equal_min: float = 1.0) -> None:
+    """dev_fp32 = cpu_fp32 exactly (texts and NFE; where the two compute different fp32 sums, at least
+    `fp32_equal_min` of the responses); dev_bf16 within greedy_bf16_prefix_min."""
     ref = texts["cpu_fp32"]
     fp32 = agreement(tok, ref, texts["dev_fp32"])
     same_nfe = nfe is None or nfe["dev_fp32"] == nfe["cpu_fp32"]
-    part.check(f"{what}: greedy dev fp32 = CPU fp32", fp32["equal"] == fp32["responses"] and same_nfe, **fp32,
+    equal = fp32["equal"] >= fp32_equal_min * fp32["responses"]
+    label = "=" if fp32_equal_min == 1.0 else f"= in >= {fp32_equal_min:.0%} of responses,"
+    part.check(f"{what}: greedy dev fp32 {label} CPU fp32", equal and same_nfe, **fp32,
                same_nfe=same_nfe, example={"cpu": ref[0], "dev": texts["dev_fp32"][0]})
     bf16 = agreement(tok, ref, texts["dev_bf16"])
     ok = bf16["mean_prefix_share"] >= TOLERANCES["greedy_bf16_prefix_min"]
@@ -483,7 +487,10 @@ def child_export(args, out: Path) -> None:
                           *[x for q in prompts for x in ("--prompt", q)], *flags, *p.placement(k)] for k in keys},
                      env={"cpu_fp32": p.cpu_env()})
         texts = {k: parse_generate(outs[k], prompts)[0] for k in keys}
-        compare_greedy(p, "merged (device) vs LoRA run (CPU)", tokenizer(merged), texts, bf16_asserted=False)
+        # W + s·B·A (merged) and W·x + s·B·(A·x) (the adapter) round differently in fp32: on the smoke's 10-update
+        # model a near-tie can flip one greedy token (seen 2026-12-06: 7 of 8 responses equal), so not all need be
+        compare_greedy(p, "merged (device) vs LoRA run (CPU)", tokenizer(merged), texts, bf16_asserted=False,
+                       fp32_equal_min=TOLERANCES["merge_fp32_equal_min"])
 
 
 def child_logits(args, out: Path) -> None:
