@@ -16,4 +16,6 @@ if [ -z "$PY" ]; then
 fi
 export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}" HF_DATASETS_OFFLINE="${HF_DATASETS_OFFLINE:-1}"
+# it sizes itself (--smoke); DLM_SMOKE (scripts/run_doc_commands.py) would cap the trainings its checks measure
+unset DLM_SMOKE
 exec "$PY" "$ROOT/benchmarks/gpu_check.py" --out "$OUT" "$@"
