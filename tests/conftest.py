@@ -137,3 +137,18 @@ def tiny_mdm_warm_start(tmp_path):
         "model.label_shift=false", "train.batch_size=4", "train.steps=1", "eval.n=2", "eval.test_n=2",
         "eval.max_new_tokens=16", f"out_dir={tmp_path / 'warm'}"]), progress=False)
     return warm, data
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Record the keyword arguments the masked sampler is called with (it still runs)."""
+    import dlm.sampling.masked as masked
+
+    calls, real = [], masked.generate
+
+    def record(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(masked, "generate", record)
+    return calls

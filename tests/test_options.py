@@ -276,19 +276,6 @@ def test_reset_carry_per_block_changes_a_carry_model():
     assert kept.tokens != reset.tokens
 
 
-@pytest.fixture
-def spy(monkeypatch):
-    """Record the keyword arguments the masked sampler is called with (it still runs)."""
-    import dlm.sampling.masked as masked
-
-    calls, real = [], masked.generate
-
-    def record(*args, **kwargs):
-        calls.append(kwargs)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(masked, "generate", record)
-    return calls
 
 
 @pytest.fixture

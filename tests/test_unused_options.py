@@ -142,18 +142,6 @@ def saved(tiny_tokenizer, tmp_path_factory):
     return out
 
 
-@pytest.fixture
-def spy(monkeypatch):
-    import dlm.sampling.masked as masked
-
-    calls, real = [], masked.generate
-
-    def record(*args, **kwargs):
-        calls.append(kwargs)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(masked, "generate", record)
-    return calls
 
 
 @pytest.mark.parametrize("command", ["generate", "eval"])

@@ -14,20 +14,6 @@ from dlm.modeling.backbone import resolve_model_dir
 from dlm.modeling.device import placement
 from dlm.sampling import load_for_inference, resolve_options
 
-
-def _recipe_data_dir(recipe: Path) -> Path | None:
-    """`data.dir` of a run's recorded recipe (relative to the working directory, as when it trained), if set."""
-    if not recipe.is_file():
-        return None
-    import yaml
-
-    try:
-        data = (yaml.safe_load(recipe.read_text(encoding="utf-8")) or {}).get("data") or {}
-    except (yaml.YAMLError, AttributeError, UnicodeDecodeError):
-        return None
-    return Path(data["dir"]) if isinstance(data.get("dir"), str) else None
-
-
 TASKS = ("tinymath", "humaneval")  # dlm's own tasks; any lm-eval task runs as `lm-eval:NAME` (dlm.evaluation.lm_eval)
 
 
@@ -37,9 +23,16 @@ def default_task_file(model_path: str | Path, task: str) -> Path:
         candidate = base / "data" / "test.jsonl"
         if candidate.is_file():
             return candidate
-        shared = _recipe_data_dir(base / "recipe.yaml")  # runs that share one data directory (recipes/tour/)
-        if shared is not None and (shared / "test.jsonl").is_file():
-            return shared / "test.jsonl"
+    from dlm.config import run_recipe
+
+    try:
+        recipe = run_recipe(model_path)
+    except DlmError:
+        recipe = None
+    if recipe is not None and recipe.data.dir:  # runs that share one data directory (recipes/tour/)
+        shared = Path(recipe.data.dir) / "test.jsonl"
+        if shared.is_file():
+            return shared
     resolve_model_dir(model_path)  # a missing model is said first
     raise DataError(f"no --data given and no {task} test split found beside {model_path}; "
                     f"pass --data PATH.jsonl (make one with `dlm data tinymath --out DIR`)")

@@ -95,9 +95,9 @@ class Trainer:
         found = ckpt.latest(self.run_dir / "checkpoints") if resume else None
         old_steps = recipe.train.steps
         if found is not None:
-            recorded = resume_rules.recorded_recipe(self.run_dir, found) or {}
-            old_steps = recorded.get("train", {}).get("steps", old_steps)
-            recipe = resume_rules.check(recipe, self.run_dir, found, ckpt.step_of(found), extend_to)
+            recorded = resume_rules.recorded_recipe(self.run_dir, found)
+            old_steps = (recorded or {}).get("train", {}).get("steps", old_steps)
+            recipe = resume_rules.check(recipe, recorded, self.run_dir, found, ckpt.step_of(found), extend_to)
         self.recipe, self.progress = recipe, progress
         AcceleratorState._reset_state()  # precision is per run; the process group (PartialState) is kept
         tc = recipe.train

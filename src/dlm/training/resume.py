@@ -63,10 +63,10 @@ def differences(recorded: dict, recipe: Recipe, ignore: tuple[str, ...] = ()) ->
     return out
 
 
-def check(recipe: Recipe, run_dir: Path, checkpoint: Path, step: int, extend_to: int | None) -> Recipe:
-    """The recipe the resumed run follows: `recipe` when it is the recorded one (up to RESUME_FREE fields), with
-    `train.steps = extend_to` when extending. Raises ResumeError naming the differences otherwise."""
-    recorded = recorded_recipe(run_dir, checkpoint)
+def check(recipe: Recipe, recorded: dict | None, run_dir: Path, checkpoint: Path, step: int,
+          extend_to: int | None) -> Recipe:
+    """The recipe the resumed run follows: `recipe` when it is `recorded` (`recorded_recipe`, up to RESUME_FREE
+    fields), with `train.steps = extend_to` when extending. Raises ResumeError naming the differences otherwise."""
     if extend_to is not None:
         if extend_to <= step:
             raise ResumeError(f"--extend-to {extend_to}: {checkpoint} is at update {step} already; extend to more "
