@@ -60,6 +60,11 @@ def test_page_streams_the_denoising_and_ends_with_the_api_answer(browser, dirs, 
         if name == "simplex":
             page.fill("#inference_steps", "8")
         page.fill("#delay", "120" if name == "block" else "0")
+        if name == "block":  # the page enables only the options the chosen policy reads (the server refuses others)
+            assert page.is_disabled("#confidence_threshold") and not page.is_disabled("#reveal_count")
+            page.select_option("#policy", "threshold")
+            assert page.is_disabled("#reveal_count") and not page.is_disabled("#confidence_threshold")
+            page.select_option("#policy", "top_u")
         page.click("#run")
         if name == "block":  # mid-denoising: some cells revealed, the rest still placeholders, blocks marked
             page.wait_for_function("Number(document.getElementById('steps').textContent) >= 3")

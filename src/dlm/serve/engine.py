@@ -16,7 +16,7 @@ from dlm.data.prompts import generation_span
 from dlm.errors import DlmError, OptionsError
 from dlm.modeling.device import placement
 from dlm.sampling import load_for_inference, resolve_options
-from dlm.sampling.options import OWNER, UnusedOptionError, ignored, option_name, options_class
+from dlm.sampling.options import OWNER, POLICY_USES, UnusedOptionError, ignored, option_name, options_class
 from dlm.serve.protocol import ApiError, ChatRequest, CompletionRequest
 from dlm.serve.stream import ChoiceText, Job, Pieces, serialized
 
@@ -76,7 +76,9 @@ class Engine:
         return {"id": self.name, "object": "model", "created": 0, "owned_by": "dlm",
                 "dlm": {"family": self.family, "attention": self.spec.attention, "block_size": self.spec.block_size,
                         "context": self.context, "sampling_defaults": self.defaults.model_dump(), **self.placement,
-                        "default_max_tokens": self.default_max_tokens, "max_tokens": self.limits.max_tokens}}
+                        "default_max_tokens": self.default_max_tokens, "max_tokens": self.limits.max_tokens,
+                        **({"policy_uses": {k: list(v) for k, v in POLICY_USES.items()}}
+                           if self.family == "masked" else {})}}
 
     def prepare(self, request: ChatRequest | CompletionRequest) -> Job:
         """The decoding job of a validated request, or an ApiError (400/404) naming what to change."""

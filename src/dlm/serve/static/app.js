@@ -21,7 +21,13 @@ async function init() {
   $("max_tokens").value = info.dlm.default_max_tokens;
   if (info.dlm.block_size) $("block_size").placeholder = `the model's (${info.dlm.block_size})`;
   if (family === "simplex") $("temperature").disabled = true;
+  if (family === "masked") { $("policy").addEventListener("change", usedByPolicy); usedByPolicy(); }
   $("status").textContent = "ready";
+}
+
+function usedByPolicy() {  // the server refuses an option the chosen policy does not read: disable it here
+  const uses = info.dlm.policy_uses[$("policy").value] || [];
+  for (const k of ["reveal_count", "confidence_threshold"]) $(k).disabled = !uses.includes(k);
 }
 
 function request() {
@@ -31,7 +37,7 @@ function request() {
   if ($("seed").value !== "") body.seed = Number($("seed").value);
   for (const k of OPTIONS[info.dlm.family]) {
     const el = $(k);
-    if (el.value === "") continue;
+    if (el.value === "" || el.disabled) continue;  // a policy option the chosen policy does not read is left out
     body[k] = el.tagName === "SELECT" ? el.value : Number(el.value);
   }
   const chat = $("mode").value === "chat";
