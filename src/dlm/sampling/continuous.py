@@ -1,0 +1,322 @@
+"""Row-level decoding for continuous batching: each request row is a small state machine that says what it needs
+computed next (a *segment*: query tokens, their positions and which keys they may attend), and one forward pass
+serves every row of a step, whatever their prompt lengths, options, stage or join time (`dlm serve`'s scheduler).
+
+Row kinds (one per decoding path of `dlm.sampling.generate`):
+- `MaskedRow`, a full-canvas masked model (with or without a block_size, with or without a carry): its whole
+  [prompt | response] canvas each step, as `masked.decode` computes it; no cache.
+- `BlockRow`, a block-causal model with its exact KV cache (`block_cache.decode_block_causal`): the row keeps its
+  own keys and values of the prompt and finished blocks; a step computes [just-finished clean block | noised block]
+  (the prompt at the first block) or the noised block alone, against its own cache.
+- `ARRow`, the AR baseline with its KV cache (`autoregressive.generate`): the prompt, then one token per step.
+
+`step(model, rows)` lays the rows' segments out left-padded in one batch: each row's cached keys right-aligned in
+front of its queries, an additive mask that lets every query see exactly the keys it would see alone (padding
+queries see only themselves), so greedy decoding gives each row the tokens it gets decoded alone. A sampled row
+draws from its own generator (shared by the rows of one request), so its result depends on its seed only, not on
+the traffic beside it. Each row applies its own unmasking rule (policy, u, tau), temperature and block size.
+
+`budget` caps a row's forward passes (NFE): a row that reaches it stops with what it has committed (`truncated`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dlm.modeling.backbone import align_logits
+from dlm.modeling.blocks import block_causal_allowed, canvas_blocks, num_blocks
+from dlm.sampling.autoregressive import pick_tokens
+from dlm.sampling.block_cache import StepCache, _block_logits
+from dlm.sampling.steps import finished, first_index, make_rule, reveal_step
+
+KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [H, C, D] of one row
+
+
+@dataclass
+class Segment:
+    """What a row computes in a step: `ids` [Q] at `positions` [Q]; `allowed` [Q, C + Q] over its C cached keys and
+    then its own queries; `carry` [Q, d] and `carry_mask` [Q] for a model with a carry."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    allowed: torch.Tensor
+    carry: torch.Tensor | None = None
+    carry_mask: torch.Tensor | None = None
+
+
+class Row:
+    """One sequence being decoded. Subclasses define `segment` and `advance`; `done`, `nfe`, `truncated` and
+    `tokens()` (the generated ids before the first EOS) are read by the scheduler."""
+
+    cached = False  # whether the row keeps keys and values between steps (the batch then runs with a cache)
+
+    def __init__(self, budget: int | None):
+        self.budget = budget
+        self.nfe = 0
+        self.done = False
+        self.truncated = False
+        self.kv: KV | None = None
+
+    @property
+    def context(self) -> int:
+        return 0 if self.kv is None else self.kv[0][0].shape[1]
+
+    def count(self) -> None:
+        """One forward pass taken; a row over its budget stops with what it has."""
+        self.nfe += 1
+        if not self.done and self.budget is not None and self.nfe >= self.budget:
+            self.done = self.truncated = True
+
+    def keep(self, kv: KV, n: int) -> None:
+        """Append the first n step positions' keys and values to the row's cache."""
+        if n == 0:
+            return
+        new = [(k[:, :n], v[:, :n]) for k, v in kv]
+        self.kv = new if self.kv is None else [(torch.cat([k0, k], 1), torch.cat([v0, v], 1))
+                                               for (k0, v0), (k, v) in zip(self.kv, new)]
+
+
+class _Masked(Row):
+    """What both masked rows share: the canvas [1, P + G], the rule, the sampling draw, the step record."""
+
+    def __init__(self, model, prompt, gen_length, eos_id, mask_id, options, temperature, generator, budget):
+        super().__init__(budget)
+        device = next(model.parameters()).device
+        self.P, self.G = len(prompt), gen_length
+        self.canvas = torch.cat([torch.as_tensor(prompt, dtype=torch.long, device=device),
+                                 torch.full((gen_length,), mask_id, dtype=torch.long, device=device)])[None]
+        self.positions = torch.arange(self.P + gen_length, device=device)
+        self.eos_id, self.mask_id = eos_id, mask_id
+        self.rule = make_rule(options.policy, options.reveal_count, options.confidence_threshold)
+        self.temperature, self.generator = temperature, generator
+        self.label_shift = model.spec.label_shift
+        self.last: dict | None = None  # the last step: revealed [G] and confidence [G], for a live view
+
+    def reveal(self, start: int, logits: torch.Tensor, eligible: torch.Tensor) -> None:
+        """One denoising step on canvas[start : start + W] from logits [W, V]."""
+        reveal, confidence, _ = reveal_step(self.canvas, slice(None), start, logits[None], eligible[None], self.rule,
+                                            self.mask_id, self.temperature, self.generator)
+        W = logits.shape[0]
+        revealed = torch.zeros(self.G, dtype=torch.bool, device=self.canvas.device)
+        shown = torch.zeros(self.G, device=self.canvas.device)
+        revealed[start - self.P : start - self.P + W] = reveal[0]
+        shown[start - self.P : start - self.P + W] = torch.where(reveal[0], confidence[0], 0.0)
+        self.last = {"revealed": revealed, "confidence": shown}
+        self.done = bool(finished(self.canvas[:, self.P :], self.eos_id, self.mask_id)[0])
+        self.count()
+
+    def region(self) -> torch.Tensor:
+        return self.canvas[0, self.P :]
+
+    def tokens(self) -> list[int]:
+        region = self.region()
+        end = int(first_index(region == self.eos_id))
+        if self.truncated:  # only what was committed: the revealed prefix
+            end = min(end, int(first_index(region == self.mask_id)))
+        return region[:end].tolist()
+
+
+class MaskedRow(_Masked):
+    """A full-canvas masked model: the whole canvas every step (`masked.decode`), left to right in blocks when the
+    options give a block_size, the carry passed from step to step (reset per block with reset_carry_per_block)."""
+
+    def __init__(self, model, prompt, gen_length, eos_id, mask_id, options, temperature=0.0, generator=None,
+                 budget=None):
+        super().__init__(model, prompt, gen_length, eos_id, mask_id, options, temperature, generator, budget)
+        L = self.P + gen_length
+        self.block_of = torch.arange(gen_length, device=self.canvas.device) // (options.block_size or
+                                                                                 max(gen_length, 1))
+        self.uses_carry = bool(model.spec.carry)
+        self.reset = options.reset_carry_per_block
+        dtype = next(model.parameters()).dtype
+        self.carry = torch.zeros(L, model.config.hidden_size, device=self.canvas.device, dtype=dtype) \
+            if self.uses_carry else None
+        self.last_block = 0
+        self.done = bool(finished(self.canvas[:, self.P :], eos_id, mask_id)[0])
+
+    def current(self) -> int:
+        masked = self.region() == self.mask_id
+        return int(self.block_of[first_index(masked).clamp(max=self.G - 1)])
+
+    def segment(self) -> Segment:
+        L = self.canvas.shape[1]
+        allowed = torch.ones(L, L, dtype=torch.bool, device=self.canvas.device)
+        carry = carry_mask = None
+        if self.uses_carry:
+            current = self.current()
+            if self.reset and current != self.last_block:
+                self.carry = torch.zeros_like(self.carry)
+            self.last_block = current
+            carry, carry_mask = self.carry, torch.ones(L, dtype=torch.bool, device=self.canvas.device)
+        return Segment(self.canvas[0], self.positions, allowed, carry, carry_mask)
+
+    def advance(self, raw: torch.Tensor, hidden: torch.Tensor | None, kv: KV | None) -> None:
+        if self.uses_carry:
+            self.carry = hidden
+        logits = align_logits(raw[None], self.label_shift)[0, self.P :]
+        masked = self.region() == self.mask_id
+        eligible = masked & (self.block_of == self.current())
+        self.reveal(self.P, logits, eligible)
+
+
+class BlockRow(_Masked):
+    """A block-causal model with its exact KV cache (`block_cache.decode_block_causal`), block by block: the first
+    step of a block computes [the clean block before it (the prompt for the first) | the block], keeps the clean
+    part's keys and values and, under label shift, the prediction of the block's first token; later steps compute
+    the block alone against the cache. The carry restarts from zero at each block and passes inside it."""
+
+    cached = True
+
+    def __init__(self, model, prompt, gen_length, eos_id, mask_id, options, temperature=0.0, generator=None,
+                 budget=None):
+        bs = options.block_size or model.spec.block_size
+        super().__init__(model, prompt, num_blocks(gen_length, bs) * bs, eos_id, mask_id, options, temperature,
+                         generator, budget)
+        self.bs = bs
+        self.blocks = canvas_blocks(self.P, self.G, bs, 1, self.canvas.device)[0]
+        self.uses_carry = bool(model.spec.carry)
+        self.hidden_size, self.dtype = model.config.hidden_size, next(model.parameters()).dtype
+        self.s = self.P  # the current block's start
+        self.first = True  # the next step is the block's first
+        self.boundary = self.carry = None
+
+    def segment(self) -> Segment:
+        s, e = self.s, self.s + self.bs
+        c = 0 if s == self.P else s - self.bs
+        c = c if self.first else s
+        device = self.canvas.device
+        keys = torch.arange(e, device=device)
+        allowed = block_causal_allowed(self.blocks[None, c:e], (keys[None, c:] >= s), self.blocks[None, :e],
+                                       (keys >= s)[None])[0]
+        carry = carry_mask = None
+        if self.uses_carry:
+            carry_mask = keys[c:] >= s
+            carry = torch.zeros(e - c, self.hidden_size, device=device, dtype=self.dtype) if self.first else \
+                self.carry
+        return Segment(self.canvas[0, c:e], self.positions[c:e], allowed, carry, carry_mask)
+
+    def advance(self, raw: torch.Tensor, hidden: torch.Tensor | None, kv: KV | None) -> None:
+        s, e = self.s, self.s + self.bs
+        if self.first:
+            c = 0 if s == self.P else s - self.bs
+            self.keep(kv, s - c)  # the clean part: prompt or just-finished block
+            self.boundary = raw[s - c - 1][None] if self.label_shift else None
+            raw, hidden = raw[s - c :], (hidden[s - c :] if hidden is not None else None)
+            self.first = False
+        if self.uses_carry:
+            self.carry = hidden
+        logits = _block_logits(raw[None], self.boundary, self.bs)[0]
+        self.reveal(s, logits, self.canvas[0, s:e] == self.mask_id)
+        if not self.done and not bool((self.canvas[0, s:e] == self.mask_id).any()):
+            self.s, self.first = e, True  # the block is finished: the next step starts the next one
+
+
+class ARRow(Row):
+    """The AR baseline with its KV cache: the prompt, then one token per step, until EOS or max_new_tokens."""
+
+    cached = True
+
+    def __init__(self, model, prompt, max_new_tokens, eos_id, temperature=0.0, generator=None, budget=None):
+        super().__init__(budget)
+        self.device = next(model.parameters()).device
+        self.prompt = torch.as_tensor(prompt, dtype=torch.long, device=self.device)
+        self.max_new, self.eos_id = max_new_tokens, eos_id
+        self.temperature, self.generator = temperature, generator
+        self.out: list[int] = []
+        self.last = None
+
+    def segment(self) -> Segment:
+        if not self.out:
+            P = len(self.prompt)
+            allowed = torch.ones(P, P, dtype=torch.bool, device=self.device).tril()
+            return Segment(self.prompt, torch.arange(P, device=self.device), allowed)
+        C = self.context
+        return Segment(torch.tensor([self.out[-1]], device=self.device), torch.tensor([C], device=self.device),
+                       torch.ones(1, C + 1, dtype=torch.bool, device=self.device))
+
+    def advance(self, raw: torch.Tensor, hidden: torch.Tensor | None, kv: KV | None) -> None:
+        self.keep(kv, raw.shape[0])
+        token = int(pick_tokens(raw[-1:], self.temperature, self.generator)[0])
+        self.out.append(token)
+        self.done = token == self.eos_id or len(self.out) >= self.max_new
+        self.count()
+
+    def tokens(self) -> list[int]:
+        return self.out[:-1] if self.out and self.out[-1] == self.eos_id else list(self.out)
+
+
+def _kv_shape(model) -> tuple[int, int]:
+    config = model.config
+    heads = config.num_attention_heads
+    return getattr(config, "num_key_value_heads", None) or heads, \
+        getattr(config, "head_dim", None) or config.hidden_size // heads
+
+
+@torch.inference_mode()
+def step(model, rows: list[Row], pad_id: int) -> None:
+    """One forward pass for every row's next segment, then each row's own step. Rows must not be done."""
+    segments = [r.segment() for r in rows]
+    device, dtype = segments[0].ids.device, next(model.parameters()).dtype
+    R, Q = len(rows), max(len(s.ids) for s in segments)
+    C = max(r.context for r in rows)
+    ids = torch.full((R, Q), pad_id, dtype=torch.long, device=device)
+    positions = torch.zeros(R, Q, dtype=torch.long, device=device)
+    allowed = torch.zeros(R, Q, C + Q, dtype=torch.bool, device=device)
+    allowed[:, torch.arange(Q), C + torch.arange(Q)] = True  # padding queries see themselves only
+    uses_carry = any(s.carry is not None for s in segments)
+    carry = torch.zeros(R, Q, model.config.hidden_size, device=device, dtype=dtype) if uses_carry else None
+    carry_mask = torch.zeros(R, Q, dtype=torch.bool, device=device) if uses_carry else None
+    for i, (row, seg) in enumerate(zip(rows, segments)):
+        q, c = len(seg.ids), row.context
+        ids[i, Q - q :], positions[i, Q - q :] = seg.ids, seg.positions
+        allowed[i, Q - q :] = False
+        allowed[i, Q - q :, C - c : C] = seg.allowed[:, :c]
+        allowed[i, Q - q :, C + Q - q :] = seg.allowed[:, c:]
+        if seg.carry is not None:
+            carry[i, Q - q :], carry_mask[i, Q - q :] = seg.carry, seg.carry_mask
+    mask = torch.zeros(R, 1, Q, C + Q, dtype=dtype, device=device).masked_fill_(~allowed[:, None],
+                                                                               torch.finfo(dtype).min)
+    inputs = dict(attention_mask=mask, position_ids=positions, align=False)
+    cache = None
+    if any(r.cached for r in rows):
+        heads, head_dim = _kv_shape(model)
+        kept = []
+        for layer in range(model.config.num_hidden_layers):
+            k = torch.zeros(R, heads, C, head_dim, dtype=dtype, device=device)
+            v = torch.zeros(R, heads, C, head_dim, dtype=dtype, device=device)
+            for i, row in enumerate(rows):
+                if row.context:
+                    k[i, :, C - row.context :], v[i, :, C - row.context :] = row.kv[layer]
+            kept.append((k, v))
+        cache = StepCache(kept, Q)
+        inputs.update(cache=cache, use_cache=True)
+    if uses_carry:
+        raw, hidden = model(ids, carry=carry, carry_mask=carry_mask, return_hidden=True, **inputs)
+    else:
+        raw, hidden = model(ids, **inputs), None
+    for i, (row, seg) in enumerate(zip(rows, segments)):
+        q = len(seg.ids)
+        kv = [(layer.keys[i, :, C + Q - q :], layer.values[i, :, C + Q - q :]) for layer in cache.layers] \
+            if cache is not None and row.cached else None
+        row.advance(raw[i, Q - q :], hidden[i, Q - q :] if hidden is not None else None, kv)
+
+
+def make_row(model, prompt, options, *, max_new_tokens: int, eos_id: int, temperature: float = 0.0,
+             generator=None, budget: int | None = None) -> Row | None:
+    """The row that decodes `prompt` with `options` (the model family's SamplingOptions) as `generate` would, or None
+    where that decoding path has no row form (simplex models, Fast-dLLM's approximate caches, a block-causal model
+    without its KV cache): those decode as a whole batch."""
+    spec = model.spec
+    if spec.family == "autoregressive":
+        return ARRow(model, prompt, max_new_tokens, eos_id, temperature, generator, budget)
+    if spec.family != "masked" or options.cache is not None:
+        return None
+    if spec.attention == "block_causal":
+        if not options.kv_cache:
+            return None
+        return BlockRow(model, prompt, max_new_tokens, eos_id, spec.mask_token_id, options, temperature, generator,
+                        budget)
+    return MaskedRow(model, prompt, max_new_tokens, eos_id, spec.mask_token_id, options, temperature, generator,
+                     budget)

@@ -1,0 +1,139 @@
+"""Continuous batching's row decoding (`dlm.sampling.continuous`): rows that join a running batch at different steps,
+with different prompt lengths and sampler options, each get the tokens and NFE of the same prompt decoded alone by
+`dlm.sampling.generate` (full canvas with and without blocks and carry, block-causal with its KV cache, AR with its
+KV cache); a sampled row's result depends on its seed only; the NFE budget stops a row with its committed prefix."""
+
+import pytest
+import torch
+
+from dlm.modeling.carry import CARRY_MODULE
+from dlm.modeling.device import make_generator
+from dlm.sampling import generate, resolve_options
+from dlm.sampling.continuous import make_row, step
+from tests.conftest import perturb, tiny_model
+
+PAD, EOS, MASK, VOCAB = 0, 1, 2, 40
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _model(kind: str, label_shift=False, carry=False, seed=1):
+    if kind == "ar":
+        return perturb(tiny_model(VOCAB, seed=seed), seed).double()
+    attention = "block_causal" if kind == "block" else "bidirectional"
+    m = tiny_model(VOCAB, attention=attention, family="masked", label_shift=label_shift, seed=seed,
+                   mask_token_id=MASK, carry=carry)
+    if carry:
+        norm = getattr(m.backbone, CARRY_MODULE)
+        g = torch.Generator().manual_seed(seed + 100)
+        with torch.no_grad():  # not the zero init: the carry must change the outputs
+            norm.weight.copy_(1 + torch.randn(norm.weight.shape, generator=g))
+            norm.bias.copy_(torch.randn(norm.bias.shape, generator=g))
+    return perturb(m, seed).double()
+
+
+def _prompts(lengths):
+    g = torch.Generator().manual_seed(4)
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def drive(model, requests, eos=EOS):
+    """Decode `requests` (prompt, options, max_new_tokens, join step, temperature, seed) as the server's scheduler
+    does: a row joins the running batch at its join step (or when the batch next runs) and leaves when done. Returns
+    per request (tokens, nfe, truncated) and the largest batch a step ran."""
+    waiting = sorted(range(len(requests)), key=lambda i: requests[i][3])
+    rows, active, t, largest = {}, [], 0, 0
+    while waiting or active:
+        while waiting and (requests[waiting[0]][3] <= t or not active):
+            i = waiting.pop(0)
+            prompt, options, n, _, temperature, seed = requests[i]
+            generator = make_generator(seed, model) if temperature > 0 else None
+            rows[i] = make_row(model, prompt, options, max_new_tokens=n, eos_id=eos, temperature=temperature,
+                               generator=generator)
+            if not rows[i].done:
+                active.append(rows[i])
+        largest = max(largest, len(active))
+        step(model, active, PAD)
+        active = [r for r in active if not r.done]
+        t += 1
+    return [(rows[i].tokens(), rows[i].nfe, rows[i].truncated) for i in range(len(requests))], largest
+
+
+def solo(model, prompt, options, n, temperature=0.0, seed=0, eos=EOS):
+    generator = make_generator(seed, model) if temperature > 0 else None
+    out = generate(model, [prompt], options, max_new_tokens=n, eos_id=eos, pad_id=PAD, temperature=temperature,
+                   generator=generator)
+    return out.tokens[0], out.nfe[0]
+
+
+MASKED_OPTIONS = [dict(policy="top_u", reveal_count=2), dict(policy="threshold", confidence_threshold=0.5),
+                  dict(policy="top_u_or_threshold", reveal_count=1, confidence_threshold=0.4),
+                  dict(policy="top_u", reveal_count=3, block_size=4)]
+
+
+def _check_equal_to_solo(model, family, option_sets, lengths=(3, 9, 5, 12), n=12, joins=(0, 2, 3, 7), eos=EOS):
+    prompts = _prompts(lengths)
+    requests = [(p, resolve_options(family, o), n, j, 0.0, 0)
+                for p, o, j in zip(prompts, option_sets, joins)]
+    got, largest = drive(model, requests, eos)
+    assert largest >= 2  # rows really shared steps
+    for (p, o, n_, *_), (tokens, nfe, truncated) in zip(requests, got):
+        want_tokens, want_nfe = solo(model, p, o, n_, eos=eos)
+        assert (tokens, nfe, truncated) == (want_tokens, want_nfe, False)
+
+
+@pytest.mark.parametrize("label_shift", [False, True])
+@pytest.mark.parametrize("carry", [False, True])
+def test_full_canvas_rows_joining_at_different_steps_equal_solo_decoding(label_shift, carry):
+    model = _model("full", label_shift, carry)
+    options = [dict(o, reset_carry_per_block=True) if carry and "block_size" in o else o for o in MASKED_OPTIONS]
+    _check_equal_to_solo(model, "masked", options, eos=99)  # no EOS: every row runs its whole canvas
+    _check_equal_to_solo(model, "masked", options)
+
+
+@pytest.mark.parametrize("label_shift", [False, True])
+@pytest.mark.parametrize("carry", [False, True])
+def test_block_causal_rows_with_their_kv_cache_equal_solo_decoding(label_shift, carry):
+    model = _model("block", label_shift, carry)
+    options = [dict(o, block_size=o.get("block_size", 4)) for o in MASKED_OPTIONS]
+    options[1]["block_size"] = 8  # a row with another block size shares the steps
+    _check_equal_to_solo(model, "masked", options, n=13, eos=99)  # 13: rounded up to whole blocks
+    _check_equal_to_solo(model, "masked", options, n=13)
+
+
+def test_ar_rows_with_their_kv_cache_equal_solo_decoding():
+    model = _model("ar")
+    _check_equal_to_solo(model, "autoregressive", [{}] * 4, eos=99)
+    _check_equal_to_solo(model, "autoregressive", [{}] * 4, eos=5)
+
+
+@pytest.mark.parametrize("kind", ["full", "block", "ar"])
+def test_a_sampled_row_depends_on_its_seed_not_on_its_neighbours(kind):
+    model = _model(kind)
+    family = "autoregressive" if kind == "ar" else "masked"
+    options = resolve_options(family, {} if kind == "ar" else {"reveal_count": 2})
+    prompts = _prompts((4, 6, 8))
+    alone, _ = drive(model, [(prompts[0], options, 10, 0, 1.0, 7)], eos=99)
+    crowded, _ = drive(model, [(prompts[1], options, 10, 0, 1.0, 3), (prompts[0], options, 10, 2, 1.0, 7),
+                               (prompts[2], options, 10, 1, 0.0, 0)], eos=99)
+    assert crowded[1] == alone[0]
+    if kind != "block":  # one row decoded alone draws as `generate` does
+        assert alone[0][:2] == solo(model, prompts[0], options, 10, temperature=1.0, seed=7, eos=99)
+    other_seed, _ = drive(model, [(prompts[0], options, 10, 0, 1.0, 8)], eos=99)
+    assert other_seed[0][0] != alone[0][0]
+
+
+def test_the_nfe_budget_stops_a_row_with_its_committed_prefix():
+    model = _model("full")
+    options = resolve_options("masked", {"reveal_count": 1})
+    prompt = _prompts((5,))[0]
+    row = make_row(model, prompt, options, max_new_tokens=12, eos_id=99, budget=4)
+    full = make_row(model, prompt, options, max_new_tokens=12, eos_id=99)
+    while not row.done:
+        step(model, [row, full], PAD)
+    assert row.truncated and row.nfe == 4
+    region = row.canvas[0, row.P :].tolist()
+    committed = region[: region.index(MASK)] if MASK in region else region
+    assert row.tokens() == committed and len(row.tokens()) < 12
+    while not full.done:
+        step(model, [full], PAD)
+    assert full.nfe == 12 and not full.truncated and full.tokens()[: len(committed)] == committed
