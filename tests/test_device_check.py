@@ -201,8 +201,9 @@ def test_lm_eval_sampled_generation_draws_on_the_accelerator(saved):
 
 
 def serve(path, body: dict):
-    """The server's decoding of one request (Engine.prepare, then the Batcher's decoding in this thread) on the fake
-    accelerator; returns (results, check). A decoding error the Batcher hands to the client is raised here."""
+    """The server's decoding of one request (Engine.prepare, then the Batcher's scheduling and decoding in this
+    thread: continuous rows for the masked model, a whole batch for the simplex one) on the fake accelerator;
+    returns (results, check). A decoding error the Batcher hands to the client is raised here."""
     from dlm.serve.batching import Batcher
     from dlm.serve.engine import Engine
     from dlm.serve.protocol import CompletionRequest, parse
@@ -214,7 +215,7 @@ def serve(path, body: dict):
         with fake_accelerator() as check:
             job = engine.prepare(parse(CompletionRequest, body))
             job.loop = loop
-            batcher._decode([job])
+            batcher.decode_now([job])
         loop.run_until_complete(asyncio.sleep(0))  # deliver the events the decoding thread posted
         kind, payload = job.events.get_nowait()
     finally:
@@ -299,7 +300,7 @@ def test_a_serve_generator_on_the_cpu_fails_the_check(saved, monkeypatch):
     the CPU's, which a GPU's sampler refuses (or, through `categorical`, draws on the CPU and copies every step)."""
     from dlm.serve.batching import Batcher
 
-    monkeypatch.setattr(Batcher, "_decode", without_device(Batcher._decode, "make_generator("))
+    monkeypatch.setattr(Batcher, "_generator", without_device(Batcher._generator, "make_generator("))
     _, check = serve(saved["masked"], {"prompt": "Mia has", "max_tokens": 6, "temperature": 1.0, "seed": 3})
     with pytest.raises(AssertionError, match="a CPU generator drew .*sampling/steps.py"):
         assert_draws_on_the_accelerator(check)

@@ -264,7 +264,8 @@ def step(model, rows: list[Row], pad_id: int) -> None:
     ids = torch.full((R, Q), pad_id, dtype=torch.long, device=device)
     positions = torch.zeros(R, Q, dtype=torch.long, device=device)
     allowed = torch.zeros(R, Q, C + Q, dtype=torch.bool, device=device)
-    allowed[:, torch.arange(Q), C + torch.arange(Q)] = True  # padding queries see themselves only
+    diagonal = torch.arange(Q, device=device)
+    allowed[:, diagonal, C + diagonal] = True  # padding queries see themselves only
     uses_carry = any(s.carry is not None for s in segments)
     carry = torch.zeros(R, Q, model.config.hidden_size, device=device, dtype=dtype) if uses_carry else None
     carry_mask = torch.zeros(R, Q, dtype=torch.bool, device=device) if uses_carry else None
@@ -303,20 +304,27 @@ def step(model, rows: list[Row], pad_id: int) -> None:
         row.advance(raw[i, Q - q :], hidden[i, Q - q :] if hidden is not None else None, kv)
 
 
+def has_rows(model, options) -> bool:
+    """Whether `options` decode row by row on this model: not simplex models (TESS 2's reverse process draws its noise
+    for the whole batch), not Fast-dLLM's approximate caches, not a block-causal model without its KV cache (the
+    uncached reference); those decode as a whole batch."""
+    spec = model.spec
+    if spec.family == "autoregressive":
+        return True
+    if spec.family != "masked" or options.cache is not None:
+        return False
+    return spec.attention != "block_causal" or options.kv_cache
+
+
+@torch.inference_mode()  # the row's tensors are updated in place by `step`, under inference mode
 def make_row(model, prompt, options, *, max_new_tokens: int, eos_id: int, temperature: float = 0.0,
-             generator=None, budget: int | None = None) -> Row | None:
-    """The row that decodes `prompt` with `options` (the model family's SamplingOptions) as `generate` would, or None
-    where that decoding path has no row form (simplex models, Fast-dLLM's approximate caches, a block-causal model
-    without its KV cache): those decode as a whole batch."""
+             generator=None, budget: int | None = None) -> Row:
+    """The row that decodes `prompt` with `options` (the model family's SamplingOptions) as `generate` would; a
+    ValueError where that path has no row form (`has_rows`)."""
+    if not has_rows(model, options):
+        raise ValueError(f"{options!r} on a {model.spec.family} model decodes as a whole batch, not row by row")
     spec = model.spec
     if spec.family == "autoregressive":
         return ARRow(model, prompt, max_new_tokens, eos_id, temperature, generator, budget)
-    if spec.family != "masked" or options.cache is not None:
-        return None
-    if spec.attention == "block_causal":
-        if not options.kv_cache:
-            return None
-        return BlockRow(model, prompt, max_new_tokens, eos_id, spec.mask_token_id, options, temperature, generator,
-                        budget)
-    return MaskedRow(model, prompt, max_new_tokens, eos_id, spec.mask_token_id, options, temperature, generator,
-                     budget)
+    kind = BlockRow if spec.attention == "block_causal" else MaskedRow
+    return kind(model, prompt, max_new_tokens, eos_id, spec.mask_token_id, options, temperature, generator, budget)
