@@ -69,23 +69,32 @@ def test_sampling_speed_profile_rounds_and_paired_counts(saved, tmp_path):  # no
     assert "vs AR (paired)" in out.with_suffix(".md").read_text()
 
 
-def test_serve_load_counts_every_request_and_batches_only_when_asked(saved, tmp_path):  # noqa: F811
+def test_serve_load_counts_every_request_per_mode_load_and_repeat(saved, tmp_path):  # noqa: F811
     pytest.importorskip("uvicorn")
     pytest.importorskip("openai")
     import serve_load
 
     out = tmp_path / "serving.json"
-    serve_load.main(["--masked", str(saved["masked"][1]), "--ar", str(saved["ar"][1]), "--data",
-                     str(_data(tmp_path, n=4)), "--clients", "1,4", "--requests", "8", "--max-tokens", "6",
-                     "--threads", "1", "--out", str(out)])
-    rows = json.loads(out.read_text())["rows"]
-    assert len(rows) == 2 * 2 * 2  # models x modes x concurrency levels
-    assert all(r["requests"] == 8 and r["errors"] == 0 and r["completion_tokens"] > 0 for r in rows)
+    serve_load.main(["--model", f"mdm={saved['masked'][1]}", "--model", f"ar={saved['ar'][1]}", "--data",
+                     str(_data(tmp_path, n=4)), "--clients", "1,4", "--rates", "50", "--requests", "6",
+                     "--max-tokens", "6", "--repeats", "2", "--threads", "1", "--out", str(out)])
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert len(rows) == 2 * 2 * 3 * 2  # models x modes x loads x repeats
+    assert all(r["requests"] == 6 and r["errors"] == 0 and r["completion_tokens"] > 0 for r in rows)
     for r in rows:
-        if r["mode"] == "one at a time" or r["clients"] == 1:
-            assert r["batches"] == 8  # one generate call per request
-        assert r["p50_s"] <= r["p99_s"]
-    assert (tmp_path / "serving.md").read_text().count("\n| ") == 1 + 8  # header + one row per setting
+        assert r["p50_s"] <= r["p99_s"] and 0 < r["ttft_p50_s"] <= r["p99_s"] and 0 <= r["accuracy"] <= 1
+        if r["mode"] == "static" and r["clients"] == 1:
+            assert r["steps"] == 6  # one whole batch per request
+        if r["mode"] == "continuous":
+            assert r["steps"] >= r["mean_nfe"]  # steps, not batches
+    for key in {(r["model"], r["clients"], r["rate"], r["repeat"]) for r in rows}:  # same answers either way
+        same = [r for r in rows if (r["model"], r["clients"], r["rate"], r["repeat"]) == key]
+        assert len({r["completion_tokens"] for r in same}) == 1
+    whats = [g["what"] for g in result["ratios"]]
+    assert "mdm / ar tokens/s, continuous, 4 clients" in whats and all(len(g["per_repeat"]) == 2
+                                                                      for g in result["ratios"])
+    assert (tmp_path / "serving.md").read_text().count("\n| ") == 1 + 2 * 2 * 3  # header + one row per setting
 
 
 def test_before_after_pairs_rounds_and_refuses_a_wrong_flag_before_running(monkeypatch, tmp_path):

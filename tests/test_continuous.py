@@ -9,7 +9,7 @@ import torch
 from dlm.modeling.carry import CARRY_MODULE
 from dlm.modeling.device import make_generator
 from dlm.sampling import generate, resolve_options
-from dlm.sampling.continuous import make_row, step
+from dlm.sampling.continuous import Batch, make_row
 from tests.conftest import perturb, tiny_model
 
 PAD, EOS, MASK, VOCAB = 0, 1, 2, 40
@@ -41,19 +41,18 @@ def drive(model, requests, eos=EOS):
     does: a row joins the running batch at its join step (or when the batch next runs) and leaves when done. Returns
     per request (tokens, nfe, truncated) and the largest batch a step ran."""
     waiting = sorted(range(len(requests)), key=lambda i: requests[i][3])
-    rows, active, t, largest = {}, [], 0, 0
-    while waiting or active:
-        while waiting and (requests[waiting[0]][3] <= t or not active):
+    rows, batch, t, largest = {}, Batch(model, PAD), 0, 0
+    while waiting or len(batch):
+        while waiting and (requests[waiting[0]][3] <= t or not len(batch)):
             i = waiting.pop(0)
             prompt, options, n, _, temperature, seed = requests[i]
             generator = make_generator(seed, model) if temperature > 0 else None
             rows[i] = make_row(model, prompt, options, max_new_tokens=n, eos_id=eos, temperature=temperature,
                                generator=generator)
             if not rows[i].done:
-                active.append(rows[i])
-        largest = max(largest, len(active))
-        step(model, active, PAD)
-        active = [r for r in active if not r.done]
+                batch.add([rows[i]])
+        largest = max(largest, len(batch))
+        batch.step()
         t += 1
     return [(rows[i].tokens(), rows[i].nfe, rows[i].truncated) for i in range(len(requests))], largest
 
@@ -128,12 +127,35 @@ def test_the_nfe_budget_stops_a_row_with_its_committed_prefix():
     prompt = _prompts((5,))[0]
     row = make_row(model, prompt, options, max_new_tokens=12, eos_id=99, budget=4)
     full = make_row(model, prompt, options, max_new_tokens=12, eos_id=99)
+    batch = Batch(model, PAD)
+    batch.add([row, full])
     while not row.done:
-        step(model, [row, full], PAD)
+        assert batch.step() == ([row] if row.done else [])
     assert row.truncated and row.nfe == 4
     region = row.canvas[0, row.P :].tolist()
     committed = region[: region.index(MASK)] if MASK in region else region
     assert row.tokens() == committed and len(row.tokens()) < 12
     while not full.done:
-        step(model, [full], PAD)
+        batch.step()
     assert full.nfe == 12 and not full.truncated and full.tokens()[: len(committed)] == committed
+
+
+@pytest.mark.parametrize("kind", ["ar", "block"])
+def test_the_shared_cache_stays_compact_under_many_joins_and_rows_keep_their_answers(kind):
+    """Every join appends its prompt's width to every row's cache columns; the batch compacts them (each row's keys
+    kept in order) and the answers stay those of solo decoding."""
+    model = _model(kind)
+    family = "autoregressive" if kind == "ar" else "masked"
+    options = resolve_options(family, {} if kind == "ar" else {"reveal_count": 1})
+    prompts = _prompts((20, 18, 22, 19, 21, 17, 20, 23))
+    batch, rows, widths = Batch(model, PAD), [], []
+    for p in prompts:  # one joins at every step
+        rows.append(make_row(model, p, options, max_new_tokens=12, eos_id=99))
+        batch.add([rows[-1]])
+        batch.step()
+        widths.append(batch.valid.shape[1])
+    while len(batch):
+        batch.step()
+    assert max(widths) <= 2 * (23 + 12) + 16 + 23  # compacted: without it, 8 joins of ~20 would pass 160
+    for p, row in zip(prompts, rows):
+        assert (row.tokens(), row.nfe) == solo(model, p, options, 12, eos=99)

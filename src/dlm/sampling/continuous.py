@@ -5,14 +5,18 @@ serves every row of a step, whatever their prompt lengths, options, stage or joi
 Row kinds (one per decoding path of `dlm.sampling.generate`):
 - `MaskedRow`, a full-canvas masked model (with or without a block_size, with or without a carry): its whole
   [prompt | response] canvas each step, as `masked.decode` computes it; no cache.
-- `BlockRow`, a block-causal model with its exact KV cache (`block_cache.decode_block_causal`): the row keeps its
-  own keys and values of the prompt and finished blocks; a step computes [just-finished clean block | noised block]
-  (the prompt at the first block) or the noised block alone, against its own cache.
+- `BlockRow`, a block-causal model with its exact KV cache (`block_cache.decode_block_causal`): the keys and values
+  of its prompt and finished blocks are cached; a step computes [just-finished clean block | noised block] (the
+  prompt at the first block) or the noised block alone, against them.
 - `ARRow`, the AR baseline with its KV cache (`autoregressive.generate`): the prompt, then one token per step.
 
-`step(model, rows)` lays the rows' segments out left-padded in one batch: each row's cached keys right-aligned in
-front of its queries, an additive mask that lets every query see exactly the keys it would see alone (padding
-queries see only themselves), so greedy decoding gives each row the tokens it gets decoded alone. A sampled row
+`Batch` holds the running rows and one key/value cache for all of them: per layer [R, H, C, D] plus which of the C
+columns are each row's (`valid` [R, C]; a row's own keys need not be contiguous). A step lays the rows' segments out
+right-padded in one [R, Q] pass against that cache, with an additive mask that lets every query see exactly the keys
+it would see alone (its row's cached keys and its own segment's pattern; padding queries see only themselves), so
+greedy decoding gives each row the tokens it gets decoded alone. The columns a step keeps (the AR tokens, a block's
+clean part) are appended; rows that leave are dropped by index and joining rows enter with no columns, one tensor
+operation per layer either way; the cache is compacted when more than half of it is padding. A sampled row
 draws from its own generator (shared by the rows of one request), so its result depends on its seed only, not on
 the traffic beside it. Each row applies its own unmasking rule (policy, u, tau), temperature and block size.
 
@@ -31,17 +35,17 @@ from dlm.sampling.autoregressive import pick_tokens
 from dlm.sampling.block_cache import StepCache, _block_logits
 from dlm.sampling.steps import finished, first_index, make_rule, reveal_step
 
-KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [H, C, D] of one row
-
 
 @dataclass
 class Segment:
-    """What a row computes in a step: `ids` [Q] at `positions` [Q]; `allowed` [Q, C + Q] over its C cached keys and
-    then its own queries; `carry` [Q, d] and `carry_mask` [Q] for a model with a carry."""
+    """What a row computes in a step: `ids` [Q] at `positions` [Q]; `allowed` [Q, Q], which of its own queries each
+    query attends (besides every cached key of its row); the first `keep` positions' keys and values join the row's
+    cache after the step; `carry` [Q, d] and `carry_mask` [Q] for a model with a carry."""
 
     ids: torch.Tensor
     positions: torch.Tensor
     allowed: torch.Tensor
+    keep: int = 0
     carry: torch.Tensor | None = None
     carry_mask: torch.Tensor | None = None
 
@@ -50,32 +54,17 @@ class Row:
     """One sequence being decoded. Subclasses define `segment` and `advance`; `done`, `nfe`, `truncated` and
     `tokens()` (the generated ids before the first EOS) are read by the scheduler."""
 
-    cached = False  # whether the row keeps keys and values between steps (the batch then runs with a cache)
-
     def __init__(self, budget: int | None):
         self.budget = budget
         self.nfe = 0
         self.done = False
         self.truncated = False
-        self.kv: KV | None = None
-
-    @property
-    def context(self) -> int:
-        return 0 if self.kv is None else self.kv[0][0].shape[1]
 
     def count(self) -> None:
         """One forward pass taken; a row over its budget stops with what it has."""
         self.nfe += 1
         if not self.done and self.budget is not None and self.nfe >= self.budget:
             self.done = self.truncated = True
-
-    def keep(self, kv: KV, n: int) -> None:
-        """Append the first n step positions' keys and values to the row's cache."""
-        if n == 0:
-            return
-        new = [(k[:, :n], v[:, :n]) for k, v in kv]
-        self.kv = new if self.kv is None else [(torch.cat([k0, k], 1), torch.cat([v0, v], 1))
-                                               for (k0, v0), (k, v) in zip(self.kv, new)]
 
 
 class _Masked(Row):
@@ -150,9 +139,9 @@ class MaskedRow(_Masked):
                 self.carry = torch.zeros_like(self.carry)
             self.last_block = current
             carry, carry_mask = self.carry, torch.ones(L, dtype=torch.bool, device=self.canvas.device)
-        return Segment(self.canvas[0], self.positions, allowed, carry, carry_mask)
+        return Segment(self.canvas[0], self.positions, allowed, 0, carry, carry_mask)
 
-    def advance(self, raw: torch.Tensor, hidden: torch.Tensor | None, kv: KV | None) -> None:
+    def advance(self, raw: torch.Tensor, hidden: torch.Tensor | None) -> None:
         if self.uses_carry:
             self.carry = hidden
         logits = align_logits(raw[None], self.label_shift)[0, self.P :]
@@ -166,8 +155,6 @@ class BlockRow(_Masked):
     step of a block computes [the clean block before it (the prompt for the first) | the block], keeps the clean
     part's keys and values and, under label shift, the prediction of the block's first token; later steps compute
     the block alone against the cache. The carry restarts from zero at each block and passes inside it."""
-
-    cached = True
 
     def __init__(self, model, prompt, gen_length, eos_id, mask_id, options, temperature=0.0, generator=None,
                  budget=None):
@@ -184,24 +171,22 @@ class BlockRow(_Masked):
 
     def segment(self) -> Segment:
         s, e = self.s, self.s + self.bs
-        c = 0 if s == self.P else s - self.bs
-        c = c if self.first else s
+        c = (0 if s == self.P else s - self.bs) if self.first else s
         device = self.canvas.device
-        keys = torch.arange(e, device=device)
-        allowed = block_causal_allowed(self.blocks[None, c:e], (keys[None, c:] >= s), self.blocks[None, :e],
-                                       (keys >= s)[None])[0]
+        noised = torch.arange(c, e, device=device) >= s
+        q_blocks = self.blocks[None, c:e]
+        allowed = block_causal_allowed(q_blocks, noised[None], q_blocks, noised[None])[0]  # cached keys: all allowed
         carry = carry_mask = None
         if self.uses_carry:
-            carry_mask = keys[c:] >= s
+            carry_mask = noised
             carry = torch.zeros(e - c, self.hidden_size, device=device, dtype=self.dtype) if self.first else \
                 self.carry
-        return Segment(self.canvas[0, c:e], self.positions[c:e], allowed, carry, carry_mask)
+        return Segment(self.canvas[0, c:e], self.positions[c:e], allowed, s - c, carry, carry_mask)
 
-    def advance(self, raw: torch.Tensor, hidden: torch.Tensor | None, kv: KV | None) -> None:
+    def advance(self, raw: torch.Tensor, hidden: torch.Tensor | None) -> None:
         s, e = self.s, self.s + self.bs
-        if self.first:
+        if self.first:  # the clean part (prompt or just-finished block) went into the cache
             c = 0 if s == self.P else s - self.bs
-            self.keep(kv, s - c)  # the clean part: prompt or just-finished block
             self.boundary = raw[s - c - 1][None] if self.label_shift else None
             raw, hidden = raw[s - c :], (hidden[s - c :] if hidden is not None else None)
             self.first = False
@@ -216,8 +201,6 @@ class BlockRow(_Masked):
 class ARRow(Row):
     """The AR baseline with its KV cache: the prompt, then one token per step, until EOS or max_new_tokens."""
 
-    cached = True
-
     def __init__(self, model, prompt, max_new_tokens, eos_id, temperature=0.0, generator=None, budget=None):
         super().__init__(budget)
         self.device = next(model.parameters()).device
@@ -231,13 +214,12 @@ class ARRow(Row):
         if not self.out:
             P = len(self.prompt)
             allowed = torch.ones(P, P, dtype=torch.bool, device=self.device).tril()
-            return Segment(self.prompt, torch.arange(P, device=self.device), allowed)
-        C = self.context
-        return Segment(torch.tensor([self.out[-1]], device=self.device), torch.tensor([C], device=self.device),
-                       torch.ones(1, C + 1, dtype=torch.bool, device=self.device))
+            return Segment(self.prompt, torch.arange(P, device=self.device), allowed, P)
+        at = len(self.prompt) + len(self.out) - 1
+        return Segment(torch.tensor([self.out[-1]], device=self.device), torch.tensor([at], device=self.device),
+                       torch.ones(1, 1, dtype=torch.bool, device=self.device), 1)
 
-    def advance(self, raw: torch.Tensor, hidden: torch.Tensor | None, kv: KV | None) -> None:
-        self.keep(kv, raw.shape[0])
+    def advance(self, raw: torch.Tensor, hidden: torch.Tensor | None) -> None:
         token = int(pick_tokens(raw[-1:], self.temperature, self.generator)[0])
         self.out.append(token)
         self.done = token == self.eos_id or len(self.out) >= self.max_new
@@ -254,54 +236,106 @@ def _kv_shape(model) -> tuple[int, int]:
         getattr(config, "head_dim", None) or config.hidden_size // heads
 
 
-@torch.inference_mode()
-def step(model, rows: list[Row], pad_id: int) -> None:
-    """One forward pass for every row's next segment, then each row's own step. Rows must not be done."""
-    segments = [r.segment() for r in rows]
-    device, dtype = segments[0].ids.device, next(model.parameters()).dtype
-    R, Q = len(rows), max(len(s.ids) for s in segments)
-    C = max(r.context for r in rows)
-    ids = torch.full((R, Q), pad_id, dtype=torch.long, device=device)
-    positions = torch.zeros(R, Q, dtype=torch.long, device=device)
-    allowed = torch.zeros(R, Q, C + Q, dtype=torch.bool, device=device)
-    diagonal = torch.arange(Q, device=device)
-    allowed[:, diagonal, C + diagonal] = True  # padding queries see themselves only
-    uses_carry = any(s.carry is not None for s in segments)
-    carry = torch.zeros(R, Q, model.config.hidden_size, device=device, dtype=dtype) if uses_carry else None
-    carry_mask = torch.zeros(R, Q, dtype=torch.bool, device=device) if uses_carry else None
-    for i, (row, seg) in enumerate(zip(rows, segments)):
-        q, c = len(seg.ids), row.context
-        ids[i, Q - q :], positions[i, Q - q :] = seg.ids, seg.positions
-        allowed[i, Q - q :] = False
-        allowed[i, Q - q :, C - c : C] = seg.allowed[:, :c]
-        allowed[i, Q - q :, C + Q - q :] = seg.allowed[:, c:]
-        if seg.carry is not None:
-            carry[i, Q - q :], carry_mask[i, Q - q :] = seg.carry, seg.carry_mask
-    mask = torch.zeros(R, 1, Q, C + Q, dtype=dtype, device=device).masked_fill_(~allowed[:, None],
-                                                                               torch.finfo(dtype).min)
-    inputs = dict(attention_mask=mask, position_ids=positions, align=False)
-    cache = None
-    if any(r.cached for r in rows):
-        heads, head_dim = _kv_shape(model)
-        kept = []
-        for layer in range(model.config.num_hidden_layers):
-            k = torch.zeros(R, heads, C, head_dim, dtype=dtype, device=device)
-            v = torch.zeros(R, heads, C, head_dim, dtype=dtype, device=device)
-            for i, row in enumerate(rows):
-                if row.context:
-                    k[i, :, C - row.context :], v[i, :, C - row.context :] = row.kv[layer]
-            kept.append((k, v))
-        cache = StepCache(kept, Q)
-        inputs.update(cache=cache, use_cache=True)
-    if uses_carry:
-        raw, hidden = model(ids, carry=carry, carry_mask=carry_mask, return_hidden=True, **inputs)
-    else:
-        raw, hidden = model(ids, **inputs), None
-    for i, (row, seg) in enumerate(zip(rows, segments)):
-        q = len(seg.ids)
-        kv = [(layer.keys[i, :, C + Q - q :], layer.values[i, :, C + Q - q :]) for layer in cache.layers] \
-            if cache is not None and row.cached else None
-        row.advance(raw[i, Q - q :], hidden[i, Q - q :] if hidden is not None else None, kv)
+class Batch:
+    """The running rows and their shared key/value cache: per layer (keys, values) [R, H, C, D] and `valid` [R, C],
+    which columns hold each row's keys. `add` and `drop` change the rows between steps; `step` runs one."""
+
+    def __init__(self, model, pad_id: int):
+        self.model, self.pad_id = model, pad_id
+        self.rows: list[Row] = []
+        self.kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.valid: torch.Tensor | None = None
+        self.cached = model.spec.family == "autoregressive" or model.spec.attention == "block_causal"
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def add(self, rows: list[Row]) -> None:
+        """Rows join with no cached keys (their first segment computes their prompt)."""
+        if not rows:
+            return
+        if self.cached and self.kv is not None:
+            n = len(rows)
+            self.kv = [(torch.cat([k, k.new_zeros(n, *k.shape[1:])]), torch.cat([v, v.new_zeros(n, *v.shape[1:])]))
+                       for k, v in self.kv]
+            self.valid = torch.cat([self.valid, self.valid.new_zeros(n, self.valid.shape[1])])
+        self.rows += rows
+
+    def drop(self, leaving: list[Row]) -> None:
+        """Remove rows (finished, or their client left)."""
+        gone = {id(r) for r in leaving}
+        keep = [i for i, r in enumerate(self.rows) if id(r) not in gone]
+        if len(keep) == len(self.rows):
+            return
+        self.rows = [self.rows[i] for i in keep]
+        if self.kv is not None:
+            if not keep:
+                self.kv = self.valid = None
+                return
+            index = torch.tensor(keep, device=self.valid.device)
+            self.kv = [(k.index_select(0, index), v.index_select(0, index)) for k, v in self.kv]
+            self.valid = self.valid.index_select(0, index)
+            self._compact()
+
+    def _compact(self) -> None:
+        """Keep only the columns some row uses, each row's in order, when over half the cache is padding."""
+        used = self.valid.sum(1)
+        width = int(used.max()) if len(used) else 0
+        if self.valid.shape[1] <= 2 * width + 16:
+            return
+        order = torch.sort((~self.valid).to(torch.uint8), dim=1, stable=True).indices[:, :width]  # valid first
+        self.valid = torch.arange(width, device=used.device)[None] < used[:, None]
+        self.kv = [tuple(t.gather(2, order[:, None, :, None].expand(t.shape[0], t.shape[1], width, t.shape[3]))
+                         for t in pair) for pair in self.kv]
+
+    @torch.inference_mode()
+    def step(self) -> list[Row]:
+        """One forward pass for every row's next segment, then each row's own step; returns the rows that finished
+        (they have left the batch)."""
+        model, rows = self.model, self.rows
+        segments = [r.segment() for r in rows]
+        device, dtype = segments[0].ids.device, next(model.parameters()).dtype
+        R, Q = len(rows), max(len(s.ids) for s in segments)
+        C = 0 if self.kv is None else self.valid.shape[1]
+        ids = torch.full((R, Q), self.pad_id, dtype=torch.long, device=device)
+        positions = torch.zeros(R, Q, dtype=torch.long, device=device)
+        own = torch.eye(Q, dtype=torch.bool, device=device).repeat(R, 1, 1)  # padding queries see themselves only
+        real = torch.zeros(R, Q, dtype=torch.bool, device=device)
+        uses_carry = any(s.carry is not None for s in segments)
+        carry = torch.zeros(R, Q, model.config.hidden_size, device=device, dtype=dtype) if uses_carry else None
+        carry_mask = torch.zeros(R, Q, dtype=torch.bool, device=device) if uses_carry else None
+        for i, seg in enumerate(segments):  # each segment left-aligned, padded on the right
+            q = len(seg.ids)
+            ids[i, :q], positions[i, :q], own[i, :q, :q], real[i, :q] = seg.ids, seg.positions, seg.allowed, True
+            if seg.carry is not None:
+                carry[i, :q], carry_mask[i, :q] = seg.carry, seg.carry_mask
+        allowed = own if C == 0 else torch.cat([self.valid[:, None, :] & real[:, :, None], own], dim=2)
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
+        inputs = dict(attention_mask=mask[:, None], position_ids=positions, align=False)
+        cache = None
+        if self.cached:
+            if self.kv is None:
+                heads, head_dim = _kv_shape(model)
+                empty = torch.zeros(R, heads, 0, head_dim, dtype=dtype, device=device)
+                self.kv, self.valid = [(empty, empty)] * model.config.num_hidden_layers, real[:, :0]
+            cache = StepCache(self.kv, Q)
+            inputs.update(cache=cache, use_cache=True)
+        if uses_carry:
+            raw, hidden = model(ids, carry=carry, carry_mask=carry_mask, return_hidden=True, **inputs)
+        else:
+            raw, hidden = model(ids, **inputs), None
+        if cache is not None:  # keep each row's first `keep` step positions
+            width = max(s.keep for s in segments)
+            keeps = torch.tensor([s.keep for s in segments], device=device)
+            self.kv = [(layer.keys[:, :, : C + width], layer.values[:, :, : C + width]) for layer in cache.layers]
+            self.valid = torch.cat([self.valid, torch.arange(width, device=device)[None] < keeps[:, None]], dim=1)
+            self._compact()
+        for i, (row, seg) in enumerate(zip(rows, segments)):
+            q = len(seg.ids)
+            row.advance(raw[i, :q], hidden[i, :q] if hidden is not None else None)
+        finished = [r for r in rows if r.done]
+        self.drop(finished)
+        return finished
 
 
 def has_rows(model, options) -> bool:

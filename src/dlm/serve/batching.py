@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dlm.errors import DlmError
 from dlm.modeling.device import make_generator
 from dlm.sampling import generate
-from dlm.sampling.continuous import has_rows, make_row, step
+from dlm.sampling.continuous import Batch, has_rows, make_row
 from dlm.serve.stream import Job, StepFeed
 
 log = logging.getLogger("dlm.serve")
@@ -46,7 +46,8 @@ class Batcher:
         self.max_batch_size, self.window_s, self.continuous, self.max_nfe = max_batch_size, window_s, continuous, \
             max_nfe
         self.pending: list[Job] = []
-        self.active: list[tuple[Job, int, object]] = []  # (job, choice index, row) of the running batch
+        self.active: list[tuple[Job, int, object]] = []  # (job, choice index, row) of the running jobs
+        self.batch = Batch(model, tok.pad_token_id)  # their rows still decoding
         self.current: list[Job] = []  # a whole batch being decoded
         self.stats = {"steps": 0, "rows": 0, "largest_batch": 0, "batches": 0, "abandoned": 0, "failed": 0}
         self._lock = threading.Lock()  # pending is appended to by the event loop, taken from by the decoding thread
@@ -58,7 +59,7 @@ class Batcher:
     @property
     def running(self) -> int:
         """Rows being decoded now."""
-        return len(self.active) + sum(len(j.rows) for j in self.current)
+        return len(self.batch) + sum(len(j.rows) for j in self.current)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())
@@ -96,7 +97,10 @@ class Batcher:
             if whole:
                 self._decode(whole)
                 continue
-            self.active = [a for a in self.active if not self._left(a[0])]
+            left = [a for a in self.active if self._left(a[0])]
+            if left:
+                self.batch.drop([row for _, _, row in left])
+                self.active = [a for a in self.active if not a[0].cancelled]
             if not self.active:
                 with self._lock:
                     if not self.pending:
@@ -136,6 +140,7 @@ class Batcher:
                            budget=budget)
             self.active.append((job, i, row))
         job.live = [row for j, _, row in self.active if j is job]
+        self.batch.add([row for row in job.live if not row.done])
 
     def _generator(self, job: Job):
         """A sampled job's generator, on the model's device, seeded by the request (or at random); None for greedy
@@ -160,19 +165,18 @@ class Batcher:
 
     def _step(self) -> None:
         """One forward pass for every running row; each job hears of its rows' steps, a finished job is answered."""
-        rows = [row for _, _, row in self.active]
         self.stats["steps"] += 1
-        self.stats["largest_batch"] = max(self.stats["largest_batch"], len(rows))
+        self.stats["largest_batch"] = max(self.stats["largest_batch"], len(self.batch))
         try:
-            running = [r for r in rows if not r.done]  # a job's finished rows wait for its others, computing nothing
-            if running:
-                step(self.model, running, self.tok.pad_token_id)
+            if len(self.batch):  # a job's finished rows wait for its others, computing nothing
+                self.batch.step()
         except Exception as err:  # out of memory, a bug: these rows fail, the server goes on
             if not isinstance(err, DlmError):
-                log.exception("a decoding step over %d rows failed", len(rows))
+                log.exception("a decoding step over %d rows failed", len(self.batch))
             self.stats["failed"] += 1
             for job in {id(j): j for j, _, _ in self.active}.values():
                 job.fail(err)
+            self.batch.drop(list(self.batch.rows))
             self.active = []
             return
         for job, i, row in self.active:
