@@ -290,13 +290,29 @@ class Batch:
 
     @torch.inference_mode()
     def step(self) -> list[Row]:
-        """One forward pass for every row's next segment, then each row's own step; returns the rows that finished
-        (they have left the batch)."""
-        model, rows = self.model, self.rows
-        segments = [r.segment() for r in rows]
+        """Every row's next segment, then each row's own step; returns the rows that finished (they have left the
+        batch). Rows whose segments are of similar width share a forward pass; a wide one (a joining row's prompt)
+        runs in its own, so that decoding rows are not padded to a prompt's width."""
+        segments = [r.segment() for r in self.rows]
+        new = []  # per group: (row indices, per-layer (keys, values) of its kept positions, keep per row)
+        for group in _groups([len(s.ids) for s in segments]):
+            new.append(self._forward(group, [segments[i] for i in group]))
+        if self.cached:
+            self._append(new)
+        finished = [r for r in self.rows if r.done]
+        self.drop(finished)
+        return finished
+
+    def _forward(self, group: list[int], segments: list[Segment]):
+        """One forward pass for the rows `group` (indices into self.rows), right-padded; each row advances."""
+        model = self.model
+        rows = [self.rows[i] for i in group]
         device, dtype = segments[0].ids.device, next(model.parameters()).dtype
         R, Q = len(rows), max(len(s.ids) for s in segments)
-        C = 0 if self.kv is None else self.valid.shape[1]
+        whole = len(group) == len(self.rows)
+        index = None if whole else torch.tensor(group, device=device)
+        valid = None if self.kv is None else (self.valid if whole else self.valid.index_select(0, index))
+        C = 0 if valid is None else valid.shape[1]
         ids = torch.full((R, Q), self.pad_id, dtype=torch.long, device=device)
         positions = torch.zeros(R, Q, dtype=torch.long, device=device)
         own = torch.eye(Q, dtype=torch.bool, device=device).repeat(R, 1, 1)  # padding queries see themselves only
@@ -309,7 +325,7 @@ class Batch:
             ids[i, :q], positions[i, :q], own[i, :q, :q], real[i, :q] = seg.ids, seg.positions, seg.allowed, True
             if seg.carry is not None:
                 carry[i, :q], carry_mask[i, :q] = seg.carry, seg.carry_mask
-        allowed = own if C == 0 else torch.cat([self.valid[:, None, :] & real[:, :, None], own], dim=2)
+        allowed = own if C == 0 else torch.cat([valid[:, None, :] & real[:, :, None], own], dim=2)
         mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
         inputs = dict(attention_mask=mask[:, None], position_ids=positions, align=False)
         cache = None
@@ -317,25 +333,68 @@ class Batch:
             if self.kv is None:
                 heads, head_dim = _kv_shape(model)
                 empty = torch.zeros(R, heads, 0, head_dim, dtype=dtype, device=device)
-                self.kv, self.valid = [(empty, empty)] * model.config.num_hidden_layers, real[:, :0]
-            cache = StepCache(self.kv, Q)
+                kept = [(empty, empty)] * model.config.num_hidden_layers
+            else:
+                kept = self.kv if whole else [(k.index_select(0, index), v.index_select(0, index))
+                                              for k, v in self.kv]
+            cache = StepCache(kept, Q)
             inputs.update(cache=cache, use_cache=True)
         if uses_carry:
             raw, hidden = model(ids, carry=carry, carry_mask=carry_mask, return_hidden=True, **inputs)
         else:
             raw, hidden = model(ids, **inputs), None
-        if cache is not None:  # keep each row's first `keep` step positions
-            width = max(s.keep for s in segments)
-            keeps = torch.tensor([s.keep for s in segments], device=device)
-            self.kv = [(layer.keys[:, :, : C + width], layer.values[:, :, : C + width]) for layer in cache.layers]
-            self.valid = torch.cat([self.valid, torch.arange(width, device=device)[None] < keeps[:, None]], dim=1)
-            self._compact()
         for i, (row, seg) in enumerate(zip(rows, segments)):
             q = len(seg.ids)
             row.advance(raw[i, :q], hidden[i, :q] if hidden is not None else None)
-        finished = [r for r in rows if r.done]
-        self.drop(finished)
-        return finished
+        if cache is None:
+            return None
+        width = max(s.keep for s in segments)
+        keeps = torch.tensor([s.keep for s in segments], device=device)
+        return group, [(layer.keys[:, :, C : C + width], layer.values[:, :, C : C + width])
+                       for layer in cache.layers], keeps
+
+    def _append(self, new: list) -> None:
+        """Add the columns each group kept (its rows' first `keep` step positions) to the cache."""
+        width = max(kv[0][0].shape[2] for _, kv, _ in new)
+        R = len(self.rows)
+        if self.kv is None:  # the first step: no columns yet
+            device = new[0][2].device
+            self.valid = torch.zeros(R, 0, dtype=torch.bool, device=device)
+            self.kv = [(k.new_zeros(R, k.shape[1], 0, k.shape[3]), v.new_zeros(R, v.shape[1], 0, v.shape[3]))
+                       for k, v in new[0][1]]
+        if width == 0:
+            return
+        if len(new) == 1 and len(new[0][0]) == R:  # one group of every row: its columns as they are
+            _, kv, keeps = new[0]
+            columns = [(k[:, :, :width], v[:, :, :width]) for k, v in kv]
+            valid = torch.arange(width, device=keeps.device)[None] < keeps[:, None]
+        else:
+            k0 = self.kv[0][0]
+            columns = [(k0.new_zeros(R, k0.shape[1], width, k0.shape[3]),
+                        k0.new_zeros(R, k0.shape[1], width, k0.shape[3])) for _ in self.kv]
+            valid = torch.zeros(R, width, dtype=torch.bool, device=k0.device)
+            for group, kv, keeps in new:
+                w = kv[0][0].shape[2]
+                index = torch.tensor(group, device=k0.device)
+                for (ck, cv), (k, v) in zip(columns, kv):
+                    ck[index, :, :w], cv[index, :, :w] = k, v
+                valid[index, :w] = torch.arange(w, device=k0.device)[None] < keeps[:, None]
+        self.kv = [(torch.cat([k, ck], 2), torch.cat([v, cv], 2)) for (k, v), (ck, cv) in zip(self.kv, columns)]
+        self.valid = torch.cat([self.valid, valid], 1)
+        self._compact()
+
+
+def _groups(widths: list[int]) -> list[list[int]]:
+    """Row indices grouped by segment width: sorted by width, a group takes rows up to twice its narrowest's width
+    (so padding at most doubles a group's work)."""
+    order = sorted(range(len(widths)), key=lambda i: widths[i])
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and widths[i] <= 2 * widths[groups[-1][0]]:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return [sorted(g) for g in groups]
 
 
 def has_rows(model, options) -> bool:
