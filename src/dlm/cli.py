@@ -292,6 +292,7 @@ def _cmd_serve(a):
     limits = Limits(max_tokens=a.max_tokens, default_max_tokens=a.default_max_tokens,
                     max_prompt_tokens=a.max_prompt_tokens, max_batch_size=a.max_batch_size,
                     batch_window_ms=a.batch_window_ms, max_concurrent=a.max_concurrent, max_body_bytes=a.max_body_bytes,
+                    body_timeout_s=a.body_timeout, send_timeout_s=a.send_timeout, max_stop_chars=a.max_stop_chars,
                     timeout_s=a.timeout)
     _device_first(a)
     serve(a.model, host=a.host, port=a.port, dtype=a.dtype, device=a.device, name=a.name,
@@ -306,7 +307,9 @@ SERVE_HELP = """endpoints (OpenAI-compatible; any OpenAI client works with base_
   GET  /                      a page that shows the denoising step by step
 
 request fields: model, max_tokens (masked: the canvas length), temperature (default 0: greedy), seed, n, stop,
-  stream; top_p is the simplex sampler's top-p projection. dlm's extensions, as extra body fields:
+  stream; top_p is the simplex sampler's top-p projection (top_p 1 is accepted by every model, as are OpenAI's
+  other fields at values that ask for nothing: presence_penalty 0, logit_bias {}, tools [], ...; any other value is
+  a 400 naming the field). dlm's extensions, as extra body fields:
   sampling options of the model's family (policy, reveal_count/u, confidence_threshold/tau, block_size, kv_cache,
   cache; inference_steps/steps, top_p, early_stop_patience, guidance_scale/eta, ...): another family's option is a
   400 naming it; reward_model is a server flag only. Defaults: the run's recipe eval section, then the flags. An
@@ -316,6 +319,10 @@ request fields: model, max_tokens (masked: the canvas length), temperature (defa
   {"object": "dlm.denoise.step", "index", "step", "nfe", "tokens", "pieces", "masked", "confidence", "new",
   "block_size", "eos"[, "timestep"]}. Responses and the last stream chunk carry usage, "nfe" per choice and the
   "sampling" options in effect.
+
+limits: a body must be JSON (Content-Type: application/json, else 415) that arrives within
+  --body-timeout (else 408); only then does the request take one of the --max-concurrent slots. stop takes at most 4
+  strings of --max-stop-chars. A stream whose client reads nothing for --send-timeout is cancelled.
 
 streaming: text is sent once it can no longer change (masked: the revealed prefix; simplex: at the end; AR: token
   by token after decoding), never past a stop string. Concurrent greedy requests with the same options and
@@ -557,6 +564,12 @@ def build_parser() -> argparse.ArgumentParser:
                      "(default: 1048576)")
     lim.add_argument("--timeout", type=float, default=300.0, help="seconds a request may take, queueing included; "
                      "then 504, or an error event in a stream (default: 300)")
+    lim.add_argument("--body-timeout", type=float, default=30.0, help="seconds a client may take to send its request "
+                     "body; then 408. A request holds a --max-concurrent slot only once its body is in (default: 30)")
+    lim.add_argument("--send-timeout", type=float, default=30.0, help="seconds a streaming client may go without "
+                     "reading; then its request is cancelled and the connection closed (default: 30)")
+    lim.add_argument("--max-stop-chars", type=int, default=256, help="longest stop string, in characters; longer: 400 "
+                     "(default: 256)")
     _add_sampling_flags(v)
     v.set_defaults(func=_cmd_serve)
     return p

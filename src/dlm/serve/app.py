@@ -3,7 +3,9 @@ on request, each denoising step; plus a page at / that shows the denoising live.
 
 POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET / (the page). Every refused
 request gets an OpenAI error object {"error": {message, type, param, code}}; after a stream has started, an error
-is sent as one `data: {"error": ...}` event before `data: [DONE]`."""
+is sent as one `data: {"error": ...}` event before `data: [DONE]`. A request holds one of the --max-concurrent slots
+only once its body has arrived (within --body-timeout) and parsed, until its response ends; a stream whose client
+stops reading for --send-timeout is cancelled."""
 
 from __future__ import annotations
 
@@ -48,7 +50,8 @@ def create_app(engine: Engine) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def _api_error(request, err: ApiError):
-        return JSONResponse(err.body(), status_code=err.status)
+        unread = err.status in (408, 413, 415)  # refused before its body was read: the connection cannot go on
+        return JSONResponse(err.body(), status_code=err.status, headers={"Connection": "close"} if unread else None)
 
     @app.exception_handler(HTTPException)
     async def _http_error(request, err: HTTPException):
@@ -80,20 +83,23 @@ def create_app(engine: Engine) -> FastAPI:
         return {"object": "list", "data": [engine.describe()]}
 
     async def handle(request: Request, kind):
+        _check_json_type(request)
+        body = await _read_json(request, limits.max_body_bytes, limits.body_timeout_s)
+        parsed = protocol.parse(kind, body)  # a slow or bad upload never holds a slot
         if state["active"] >= limits.max_concurrent:
             raise ApiError(429, f"the server is busy ({limits.max_concurrent} requests under way, dlm serve "
                            "--max-concurrent); retry shortly", None, "rate_limit_exceeded", "rate_limit_error")
         state["active"] += 1  # the slot is held from here, so that concurrent arrivals cannot overshoot
         release = _once(lambda: state.__setitem__("active", state["active"] - 1))
         try:
-            body = await _read_json(request, limits.max_body_bytes)
-            job = await run_in_threadpool(engine.prepare, protocol.parse(kind, body))
+            job = await run_in_threadpool(engine.prepare, parsed)
             job.loop = asyncio.get_running_loop()
             chat = kind is ChatRequest
             batcher.submit(job)
             if job.stream:
-                stream = _Stream(_events(job, chat, engine, limits.timeout_s, state), release,
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+                stream = _Stream(_events(job, chat, engine, limits.timeout_s, state), job, release,
+                                 limits.send_timeout_s, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
                 release = None  # the stream releases its slot when it ends
                 return stream
             results = await _result(job, request, limits.timeout_s)
@@ -124,38 +130,76 @@ def _once(fn):
     return call
 
 
-class _Stream(StreamingResponse):
-    """A StreamingResponse that frees its request's slot however it ends (finished, disconnected, cancelled)."""
+class _Stalled(Exception):
+    """A send to a streaming client waited past the send timeout: it has stopped reading."""
 
-    def __init__(self, content, release, **kwargs):
+
+class _Stream(StreamingResponse):
+    """A StreamingResponse that frees its request's slot however it ends (finished, disconnected, cancelled), and
+    cancels its job when a send waits more than `send_timeout` seconds (the client stopped reading, its socket's
+    buffers are full): the connection is then closed instead of the stream blocking forever."""
+
+    def __init__(self, content, job: Job, release, send_timeout: float, **kwargs):
         super().__init__(content, **kwargs)
-        self.release = release
+        self.job, self.release, self.send_timeout = job, release, send_timeout
 
     async def __call__(self, scope, receive, send):
+        async def send_in_time(message):
+            try:
+                await asyncio.wait_for(send(message), self.send_timeout)
+            except asyncio.TimeoutError:
+                raise _Stalled from None
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, send_in_time)
+        except _Stalled:  # returning mid-response makes the server close the connection
+            log.warning("a streaming client read nothing for %g s (dlm serve --send-timeout): its request is "
+                        "cancelled", self.send_timeout)
         finally:
+            self.job.cancelled = True  # the batcher drops its rows
             self.release()
 
 
-async def _read_json(request: Request, limit: int):
-    """The request body as JSON; 413 past `limit` bytes, 400 when it is not JSON (NaN and Infinity included)."""
+def _check_json_type(request: Request) -> None:
+    """415 unless the body is declared JSON (application/json, UTF-8): a web page cannot send that to another origin
+    without the CORS preflight this server never grants."""
+    value = request.headers.get("content-type", "")
+    media, *params = [p.strip().lower() for p in value.split(";")]
+    charset = next((p.partition("=")[2].strip('"') for p in params if p.startswith("charset=")), "utf-8")
+    if media != "application/json" or charset != "utf-8":
+        got = f"Content-Type {value[:80]!r}" if value else "no Content-Type"
+        raise ApiError(415, f"the body must be JSON: send Content-Type: application/json (UTF-8); got {got}", None,
+                       "unsupported_media_type")
+
+
+async def _read_json(request: Request, limit: int, timeout: float):
+    """The request body as JSON, read within `timeout` seconds (then 408); 413 past `limit` bytes, 400 when it is not
+    JSON (NaN and Infinity included)."""
     declared = request.headers.get("content-length")
     if declared is not None and (not declared.isdigit() or int(declared) > limit):
         raise ApiError(413, f"the request body is {declared} bytes, over this server's limit of {limit} (dlm serve "
                        "--max-body-bytes)", None, "request_too_large")
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise ApiError(413, f"the request body is over this server's limit of {limit} bytes (dlm serve "
-                           "--max-body-bytes)", None, "request_too_large")
+
+    async def read() -> bytes:
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise ApiError(413, f"the request body is over this server's limit of {limit} bytes (dlm serve "
+                               "--max-body-bytes)", None, "request_too_large")
+        return bytes(body)
+
+    try:
+        body = await asyncio.wait_for(read(), timeout)
+    except asyncio.TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {timeout:g} s (dlm serve --body-timeout)", None,
+                       "request_timeout", "timeout_error") from None
 
     def constant(name):
         raise ValueError(f"{name} is not a JSON number")
 
     try:
-        return json.loads(bytes(body), parse_constant=constant)
+        return json.loads(body, parse_constant=constant)
     except json.JSONDecodeError as err:
         raise ApiError(400, f"the body is not valid JSON: {err.msg} at line {err.lineno} column {err.colno}",
                        None, "invalid_json") from None

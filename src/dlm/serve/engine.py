@@ -4,6 +4,7 @@ the server's flags), all before anything is queued, so that every bad request is
 
 from __future__ import annotations
 
+import asyncio
 import random
 import threading
 from dataclasses import dataclass
@@ -34,12 +35,17 @@ class Limits:
     batch_window_ms: float = 10.0  # how long the first request of a batch waits for others
     max_concurrent: int = 64  # requests queued or decoding; more: 429
     max_body_bytes: int = 1 << 20  # larger request bodies: 413
+    body_timeout_s: float = 30.0  # a request body still arriving after this: 408 (a slow client holds no slot)
     timeout_s: float = 300.0  # per request, queueing included: 504, or an error event in a stream
+    send_timeout_s: float = 30.0  # a stream its client has not read for this long is cancelled
+    max_stop_chars: int = 256  # the longest stop string; longer: 400
+    max_queued_events: int = 1024  # stream events waiting for a slow reader; one more: the request is cancelled
 
     def __post_init__(self):
         for name, value in vars(self).items():
             if value is not None and not value > 0:
-                flag = {"timeout_s": "timeout", "max_body_bytes": "max_body_size"}.get(name, name)
+                flag = {"timeout_s": "timeout", "body_timeout_s": "body_timeout", "send_timeout_s": "send_timeout"
+                        }.get(name, name)
                 raise DlmError(f"--{flag.replace('_', '-')} must be > 0, got {value}")
 
 
@@ -91,6 +97,10 @@ class Engine:
         if self.family == "simplex" and temperature > 0:
             raise ApiError(400, "simplex models have no temperature: leave it 0 and sample with top_p (e.g. 0.99)",
                            "temperature")
+        longest = max(map(len, request.stops), default=0)
+        if longest > self.limits.max_stop_chars:
+            raise ApiError(400, f"stop: a stop string of {longest} characters is over this server's limit of "
+                           f"{self.limits.max_stop_chars} (dlm serve --max-stop-chars)", "stop", "stop_too_long")
         max_tokens = request.max_tokens or self.default_max_tokens
         if max_tokens > self.limits.max_tokens:
             raise ApiError(400, f"max_tokens {max_tokens} is over this server's limit of {self.limits.max_tokens} "
@@ -108,10 +118,13 @@ class Engine:
         block = options.block_size if self.family == "masked" else None
         if block is None and self.spec.attention == "block_causal":
             block = self.spec.block_size
+        queued = self.limits.max_queued_events
+        if self.family == "autoregressive":  # its text may come token by token in one burst after decoding: room
+            queued = max(queued, len(rows) * (max_tokens + 1) + 2)
         return Job(rows=rows, options=options, max_tokens=max_tokens, temperature=temperature, seed=seed, key=key,
                    texts=[ChoiceText(self.decode, request.stops, max_tokens) for _ in rows], stream=request.stream,
                    steps=request.dlm_steps, family=self.family, mask_id=self.spec.mask_token_id,
-                   eos_id=self.tok.eos_token_id, block_size=block, pieces=self.pieces)
+                   eos_id=self.tok.eos_token_id, block_size=block, pieces=self.pieces, events=asyncio.Queue(queued))
 
     def _options(self, request):
         """The request's sampling options over the defaults; another family's option, or one the request's policy
@@ -121,6 +134,11 @@ class Engine:
             name = option_name(key)
             if name in given:
                 raise ApiError(400, f"{key} and {given[name]} both set {name}; give one", key)
+            if name == "top_p" and self.family != "simplex":
+                if value is None or type(value) in (int, float) and value == 1:  # OpenAI's default: no truncation
+                    continue
+                raise ApiError(400, f"top_p is the simplex sampler's projection; {self.family} models sample with "
+                               "temperature: leave top_p out (or 1)", key, "unsupported_for_model")
             if name in SERVER_ONLY:
                 raise ApiError(400, f"{key} is set by the server (dlm serve --{name.replace('_', '-')} or the run's "
                                "recipe), not per request", key)
@@ -132,14 +150,6 @@ class Engine:
             except ValidationError as err:
                 raise ApiError(400, f"{key}: {name} {err.errors()[0]['msg']} (got {value!r})", key) from None
             given[name], values[name] = key, value
-        top_p = request.top_p
-        if top_p is not None and top_p != 1:
-            if self.family != "simplex":
-                raise ApiError(400, f"top_p is the simplex sampler's projection; {self.family} models sample with "
-                               "temperature: leave top_p out", "top_p", "unsupported_for_model")
-            if "top_p" in values:
-                raise ApiError(400, "top_p is given twice", "top_p")
-            values["top_p"] = top_p
         try:  # the request's options are given: one the chosen policy does not read is refused, naming it
             options = self.defaults.override(values, names=given)
         except UnusedOptionError as err:

@@ -5,6 +5,7 @@ sampling options used, `dlm.denoise.step` events)."""
 from __future__ import annotations
 
 import difflib
+import json
 import time
 import uuid
 from typing import Annotated, Any, Literal
@@ -23,10 +24,17 @@ from pydantic import (
 
 from dlm.sampling.options import ALIASES, OWNER
 
-# Standard OpenAI fields dlm does not implement: accepted only at their neutral value.
+# Standard OpenAI fields dlm does not implement: accepted as null or at a value that asks for nothing (the API's
+# default); ANY: with any value (identifiers and hints that do not change the output). Anything else: 400 naming it.
+ANY = None
 NEUTRAL = {"presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": ({},), "logprobs": (False, 0),
            "top_logprobs": (0,), "echo": (False,), "suffix": ("",), "best_of": (1,),
-           "response_format": ({"type": "text"},), "user": None, "stream_options": None}
+           "response_format": ({"type": "text"},), "tools": ([],), "functions": ([],),
+           "tool_choice": ("none", "auto"), "function_call": ("none", "auto"), "parallel_tool_calls": (True, False),
+           "modalities": (["text"],), "store": (False,), "service_tier": ("auto", "default"),
+           "reasoning_effort": ("none",), "verbosity": (), "audio": (), "prediction": (), "web_search_options": (),
+           "moderation": (), "user": ANY, "metadata": ANY, "stream_options": ANY, "safety_identifier": ANY,
+           "prompt_cache_key": ANY, "prompt_cache_options": ANY, "prompt_cache_retention": ANY}
 # What a field that takes several JSON shapes must be (pydantic would list one error per shape).
 SHAPES = {"prompt": "must be a string, a list of strings, a list of token ids or a list of such lists",
           "stop": "must be a string or a list of at most 4 strings", "content": "must be a string or a list of "
@@ -58,7 +66,6 @@ class _Request(BaseModel):
     model: StrictStr | None = None
     max_tokens: StrictInt | None = Field(None, ge=1)
     temperature: Number = Field(0.0, ge=0, le=2)
-    top_p: Number | None = Field(None, gt=0, le=1)
     n: StrictInt = Field(1, ge=1)
     stream: StrictBool = False
     stop: StrictStr | list[StrictStr] | None = None
@@ -130,14 +137,18 @@ def parse(kind: type[_Request], body: Any) -> _Request:
     """A validated request from a decoded JSON body; any problem is an ApiError(400) naming the field."""
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    _check_unicode(body)
     fields = dict(body)
     options = {}
     for key in list(fields):
         if key in NEUTRAL:
             value = fields.pop(key)
-            if NEUTRAL[key] is not None and value is not None and not any(value == n and type(value) is type(n)
-                                                                          for n in NEUTRAL[key]):
-                raise ApiError(400, f"{key} is not supported by dlm serve; leave it out", key, "unsupported_parameter")
+            neutral = NEUTRAL[key]
+            if neutral is not ANY and value is not None and not any(value == n and type(value) is type(n)
+                                                                    for n in neutral):
+                accepted = " or ".join(["null", *(json.dumps(n) for n in neutral)])
+                raise ApiError(400, f"{key} is not supported by dlm serve: leave it out or send {accepted} (got "
+                               f"{_shown(value)})", key, "unsupported_parameter")
         elif key in OWNER or key in ALIASES:
             options[key] = fields.pop(key)
     try:
@@ -152,6 +163,31 @@ def parse(kind: type[_Request], body: Any) -> _Request:
         raise ApiError(400, "dlm_steps streams denoising steps: it needs stream: true", "dlm_steps")
     request._options = options
     return request
+
+
+def _check_unicode(body: dict) -> None:
+    """A 400 naming the field whose text is not Unicode: JSON's escapes can spell a lone surrogate ("\\udcff"),
+    which no tokenizer (and no UTF-8 response) can take."""
+    todo = [((), body)]
+    while todo:
+        path, value = todo.pop()
+        where = ".".join(path) or None
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as err:
+                raise ApiError(400, f"{where}: character {err.start} is a lone surrogate (U+{ord(value[err.start]):04X}"
+                               "), which is not Unicode text; send valid UTF-8", where, "invalid_text") from None
+        elif isinstance(value, dict):
+            for key in value:
+                try:
+                    key.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise ApiError(400, f"a field name in {where or 'the body'} holds a lone surrogate, which is not "
+                                   "Unicode text; send valid UTF-8", where, "invalid_text") from None
+            todo += [((*path, k), v) for k, v in reversed(value.items())]
+        elif isinstance(value, list):
+            todo += [((*path, str(i)), v) for i, v in reversed(list(enumerate(value)))]
 
 
 def _as_api_error(err: ValidationError, kind: type[_Request]) -> ApiError:
@@ -170,9 +206,12 @@ def _as_api_error(err: ValidationError, kind: type[_Request]) -> ApiError:
     message = e["msg"].removeprefix("Value error, ") if e["type"] == "value_error" or shape is None else shape
     if shape is not None and e["type"] != "value_error":
         param = ".".join(loc[: max(i for i, p in enumerate(loc) if p in SHAPES) + 1])
-    shown = repr(e.get("input"))
-    shown = shown if len(shown) <= 60 else shown[:57] + "..."
-    return ApiError(400, f"{param}: {message} (got {shown})", param, "invalid_value")
+    return ApiError(400, f"{param}: {message} (got {_shown(e.get('input'))})", param, "invalid_value")
+
+
+def _shown(value) -> str:
+    shown = repr(value)
+    return shown if len(shown) <= 60 else shown[:57] + "..."
 
 
 # ---- responses --------------------------------------------------------------------------------------------------

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dlm.serve.protocol import ApiError
+
 
 class StepFeed(list):
     """A sampler trace that keeps nothing: each step the sampler appends is handed to `on_step` as it happens."""
@@ -44,6 +46,8 @@ class ChoiceText:
         self.decode, self.stops, self.max_tokens = decode, stops, max_tokens
         self.sent = ""
         self.stopped = False
+        self._borders = [_borders(s) for s in stops]
+        self._scanned, self._matched = "", [0] * len(stops)  # the text scanned so far; each stop's match state
 
     def text(self, tokens: list[int]) -> tuple[str, bool]:
         """(text, stopped): the decoded `tokens` cut at the first stop string."""
@@ -65,8 +69,36 @@ class ChoiceText:
         return delta
 
     def _stop_prefix(self, text: str) -> int:
-        """Length of the longest end of `text` that begins some stop string (it may still become one)."""
-        return max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        """Length of the longest end of `text` that begins some stop string (it may still become one): at most the
+        longest stop's length - 1. A Knuth-Morris-Pratt scan that goes on from the text scanned at the last update
+        (committed text only grows), so a stream's cost is linear in its text and its stops' lengths."""
+        if not text.startswith(self._scanned):  # the text changed behind its end: scan its tail afresh
+            self._scanned, self._matched = "", [0] * len(self.stops)
+        new = text[len(self._scanned):]
+        for j, (stop, borders) in enumerate(zip(self.stops, self._borders)):
+            k, tail = self._matched[j], new
+            if len(new) >= len(stop) - 1:  # only the last len(stop) - 1 characters can hold a partial match
+                k, tail = 0, new[len(new) - len(stop) + 1:]
+            for c in tail:
+                while k and (k == len(stop) or stop[k] != c):
+                    k = borders[k - 1]
+                if stop[k] == c:
+                    k += 1
+            self._matched[j] = k
+        self._scanned = text
+        return max(self._matched, default=0)
+
+
+def _borders(s: str) -> list[int]:
+    """KMP's failure function: borders[i] is the length of the longest proper prefix of s[:i + 1] that also ends it."""
+    borders, k = [0] * len(s), 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = borders[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        borders[i] = k
+    return borders
 
 
 class Pieces:
@@ -104,7 +136,7 @@ class Job:
     block_size: int | None = None
     pieces: Pieces | None = None
     loop: asyncio.AbstractEventLoop | None = None
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    events: asyncio.Queue = field(default_factory=lambda: asyncio.Queue(1024))  # bounded: see `post`
     cancelled: bool = False  # the client left or timed out: its rows' results are dropped
     nfe: list[int] = field(default_factory=list)
     _reveal_conf: dict = field(default_factory=dict)
@@ -113,9 +145,24 @@ class Job:
         if self.cancelled:
             return
         try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+            self.loop.call_soon_threadsafe(self._queue, event)
         except RuntimeError:  # the event loop is closed: the server is stopping
             pass
+
+    def _queue(self, event: tuple) -> None:
+        """(In the event loop.) A full queue means the client reads slower than its rows decode: the job is cancelled
+        (its rows are dropped) and one error event replaces what it has not read, instead of the queue growing."""
+        if self.cancelled:
+            return
+        try:
+            self.events.put_nowait(event)
+        except asyncio.QueueFull:
+            self.cancelled = True
+            while not self.events.empty():
+                self.events.get_nowait()
+            self.events.put_nowait(("error", ApiError(
+                503, f"the client read the stream too slowly ({self.events.maxsize} events waiting); the request is "
+                "cancelled", None, "slow_reader", "server_error")))
 
     def step(self, step: dict, rows: slice, P: int) -> None:
         """A sampler trace step (batch-wide) → this job's events; `rows` are its rows, P the batch's prompt width."""
