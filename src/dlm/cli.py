@@ -281,8 +281,9 @@ def _cmd_export(a):
 
     _device_first(a)
     dtype = None if a.dtype == "keep" else a.dtype
-    out = export(a.model, a.out, merge=a.merge, max_shard_bytes=parse_size(a.shard_size), device=a.device, dtype=dtype)
-    print(f"exported: {out}")
+    out = export(a.model, a.out, merge=a.merge, max_shard_bytes=parse_size(a.shard_size), device=a.device, dtype=dtype,
+                 format=a.format)
+    print(f"exported: {out}" + (f" ({a.format} layout; untested on the engines themselves)" if a.format else ""))
 
 
 def _cmd_serve(a):
@@ -517,7 +518,12 @@ def build_parser() -> argparse.ArgumentParser:
                       "in bf16 mixed precision)")
     m.set_defaults(func=_cmd_demo)
 
-    x = sub.add_parser("export", help="write a trained model as a plain Hugging Face model (LoRA merged)",
+    import textwrap
+
+    from dlm.modeling.export_formats import FORMATS as EXPORT_FORMATS
+
+    x = sub.add_parser("export", help="write a trained model as a plain Hugging Face model (LoRA merged) or in a "
+                       "layout an engine serves (--format llada)",
                        description="Export a run, model or checkpoint directory. A LoRA run's model/ holds only its "
                        "adapter (peft's adapter_config.json + adapter_model.safetensors, dlm_modules.safetensors, "
                        "config.json, dlm.json naming the base directory, tokenizer); with --merge it is written as a "
@@ -525,16 +531,28 @@ def build_parser() -> argparse.ArgumentParser:
                        "dlm.json, W + (alpha/r)·B·A merged into every adapted weight, streamed one tensor at a time "
                        "(a LLaDA / Dream base is renamed on the way). "
                        "It loads with dlm (generate, eval, init_from) and with AutoModelForCausalLM.from_pretrained. "
-                       "A full (non-LoRA) model, or a LoRA model without --merge, is copied as it is.",
-                       epilog="example: dlm export runs/mdm-lora runs/mdm-merged --merge")
+                       "A full (non-LoRA) model, or a LoRA model without --merge, is copied as it is. "
+                       "--format writes a layout a diffusion-LM engine serves instead "
+                       "(docs/guides/serving-at-scale.md); a model the layout cannot hold (label shift, block-causal "
+                       "attention, the PUMBA carry, a simplex or AR model) is refused with the reason.",
+                       epilog="formats (read back by dlm and checked against the engines' published model code; "
+                       "UNTESTED on the engines themselves):\n" + "\n".join(
+                           textwrap.fill(f"{k}: {v}", 100, initial_indent="  ", subsequent_indent="    ")
+                           for k, v in EXPORT_FORMATS.items())
+                       + "\n\nexamples:\n  dlm export runs/mdm-lora runs/mdm-merged --merge\n"
+                       "  dlm export models/llada-sft models/llada-sft-llada --format llada",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     x.add_argument("model", help="run directory, model directory or checkpoint directory")
     x.add_argument("out", help="new directory to write (must not exist or be empty)")
     x.add_argument("--merge", action="store_true", help="merge a LoRA adapter into its base's weights")
+    x.add_argument("--format", choices=sorted(EXPORT_FORMATS), help="write the layout an engine serves (llada: "
+                   "config.json with architectures [LLaDAModelLM], model.transformer.* tensors, the tokenizer with its "
+                   "mask token); untested on the engines themselves")
     x.add_argument("--shard-size", default="5GB", help="largest safetensors shard, e.g. 5GB, 500MB (default: 5GB)")
     x.add_argument("--device", default="cpu", help="--merge: where B·A is computed (default: cpu; auto, cuda, cuda:N, "
                    "mps); tensors are streamed one at a time either way")
     x.add_argument("--dtype", default="keep", choices=["keep", "float32", "bfloat16", "float16"],
-                   help="--merge: precision of the written tensors (default: keep each tensor's own)")
+                   help="--merge / --format: precision of the written tensors (default: keep each tensor's own)")
     x.add_argument("--threads", type=int, help="CPU threads (default: every core this process may use)")
     x.set_defaults(func=_cmd_export)
 
