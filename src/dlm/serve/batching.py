@@ -32,6 +32,15 @@ from dlm.serve.stream import Job, StepFeed
 log = logging.getLogger("dlm.serve")
 
 
+def _deliver(events: list) -> None:
+    """Hand (job, event) pairs to their event loop with one wake-up instead of one per event."""
+    loop = events[0][0].loop
+    try:
+        loop.call_soon_threadsafe(lambda: [job._queue(event) for job, event in events if not job.cancelled])
+    except RuntimeError:  # the event loop is closed: the server is stopping
+        pass
+
+
 class Abandoned(Exception):
     """Every client of a batch has left: stop decoding it."""
 
@@ -179,15 +188,25 @@ class Batcher:
             self.batch.drop(list(self.batch.rows))
             self.active = []
             return
-        for job, i, row in self.active:
-            if job.stream and not job.cancelled:
-                job.row_step(i, row)
-        finished = [job for job in {id(j): j for j, _, _ in self.active}.values() if all(r.done for r in job.live)]
-        for job in finished:
-            self.stats["rows"] += len(job.rows)
-            if not job.cancelled:
-                job.finish([r.tokens() for r in job.live], [r.nfe for r in job.live],
-                           [r.truncated for r in job.live])
+        events: list = []  # every job's events of this step, delivered to the event loop in one call
+        jobs = list({id(j): j for j, _, _ in self.active}.values())
+        for job in jobs:
+            job.sink = events
+        try:
+            for job, i, row in self.active:
+                if job.stream and not job.cancelled:
+                    job.row_step(i, row)
+            finished = [job for job in jobs if all(r.done for r in job.live)]
+            for job in finished:
+                self.stats["rows"] += len(job.rows)
+                if not job.cancelled:
+                    job.finish([r.tokens() for r in job.live], [r.nfe for r in job.live],
+                               [r.truncated for r in job.live])
+        finally:
+            for job in jobs:
+                job.sink = None
+            if events:
+                _deliver(events)
         done = {id(j) for j in finished}
         self.active = [a for a in self.active if id(a[0]) not in done]
 

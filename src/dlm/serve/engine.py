@@ -40,10 +40,12 @@ class Limits:
     send_timeout_s: float = 30.0  # a stream its client has not read for this long is cancelled
     max_stop_chars: int = 256  # the longest stop string; longer: 400
     max_queued_events: int = 1024  # stream events waiting for a slow reader; one more: the request is cancelled
+    max_nfe: int | None = None  # forward passes per row; None: as many as the canvas needs (its length at most)
+    continuous: bool = True  # rows join and leave the running batch at step boundaries; False: whole batches
 
     def __post_init__(self):
         for name, value in vars(self).items():
-            if value is not None and not value > 0:
+            if value is not None and not isinstance(value, bool) and not value > 0:
                 flag = {"timeout_s": "timeout", "body_timeout_s": "body_timeout", "send_timeout_s": "send_timeout"
                         }.get(name, name)
                 raise DlmError(f"--{flag.replace('_', '-')} must be > 0, got {value}")

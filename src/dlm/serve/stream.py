@@ -138,11 +138,17 @@ class Job:
     loop: asyncio.AbstractEventLoop | None = None
     events: asyncio.Queue = field(default_factory=lambda: asyncio.Queue(1024))  # bounded: see `post`
     cancelled: bool = False  # the client left or timed out: its rows' results are dropped
+    counted: bool = False  # the scheduler has counted it as abandoned
+    live: list = field(default_factory=list)  # its rows in the scheduler's running batch (dlm.sampling.continuous)
+    sink: list | None = None  # set by the scheduler: events collected here and delivered once per step
     nfe: list[int] = field(default_factory=list)
     _reveal_conf: dict = field(default_factory=dict)
 
     def post(self, *event) -> None:
         if self.cancelled:
+            return
+        if self.sink is not None:  # the scheduler hands a step's events to the event loop at once
+            self.sink.append((self, event))
             return
         try:
             self.loop.call_soon_threadsafe(self._queue, event)
@@ -174,21 +180,37 @@ class Job:
             tokens, conf = step["tokens"][rows], step["confidence"][rows]
             new = None
         for i in range(len(self.rows)):
-            took_part = bool((new[i] if new is not None else conf[i] > 0).any())
-            if not took_part:
-                continue
-            self.nfe[i] += 1
-            ids = tokens[i].tolist()
-            if new is not None:
-                before = self._reveal_conf.get(i, torch.zeros_like(conf[i]))
-                self._reveal_conf[i] = shown = torch.where(new[i], conf[i], before)
-                masked = [t == self.mask_id for t in ids]
-            else:
-                shown, masked = conf[i], [False] * len(ids)
-            if self.steps:  # the step, then the text it committed
-                self.post("step", self._event(i, ids, masked, shown, new[i] if new is not None else None, step))
-            if new is not None:
-                self._commit(i, ids, masked)
+            if bool((new[i] if new is not None else conf[i] > 0).any()):
+                self.nfe[i] += 1
+                self._show(i, tokens[i], new[i] if new is not None else None, conf[i], step)
+
+    def row_step(self, i: int, row) -> None:
+        """Choice i's row of the running batch (`dlm.sampling.continuous`) has taken a step: its events."""
+        if not self.nfe:
+            self.nfe = [0] * len(self.rows)
+        if row.nfe == self.nfe[i]:  # finished, waiting for the job's other rows
+            return
+        self.nfe[i] = row.nfe
+        if self.family == "autoregressive":  # committed token by token
+            delta = self.texts[i].update(row.tokens(), final=False)
+            if delta:
+                self.post("text", i, delta)
+            return
+        self._show(i, row.region(), row.last["revealed"], row.last["confidence"], {})
+
+    def _show(self, i: int, tokens: torch.Tensor, new: torch.Tensor | None, conf: torch.Tensor, step: dict) -> None:
+        """Row i's state after a step: its step event (when asked for) and the text it committed."""
+        ids = tokens.tolist()
+        if new is not None:
+            before = self._reveal_conf.get(i, torch.zeros_like(conf))
+            self._reveal_conf[i] = shown = torch.where(new, conf, before)
+            masked = [t == self.mask_id for t in ids]
+        else:
+            shown, masked = conf, [False] * len(ids)
+        if self.steps:  # the step, then the text it committed
+            self.post("step", self._event(i, ids, masked, shown, new, step))
+        if new is not None:
+            self._commit(i, ids, masked)
 
     def _commit(self, i: int, ids: list[int], masked: list[bool]) -> None:
         """Send the text of row i's longest revealed prefix (up to its first EOS)."""
@@ -211,8 +233,9 @@ class Job:
             event["timestep"] = int(step["timestep"])
         return event
 
-    def finish(self, tokens: list[list[int]], nfe: list[int]) -> None:
-        """The decoded rows: send what is left of each choice's text, then ("done", results)."""
+    def finish(self, tokens: list[list[int]], nfe: list[int], truncated: list[bool] | None = None) -> None:
+        """The decoded rows: send what is left of each choice's text, then ("done", results). A `truncated` row (it
+        reached the server's NFE budget) ends with finish_reason "length"."""
         results = []
         for i, (ids, n) in enumerate(zip(tokens, nfe)):
             text, stopped = self.texts[i].text(ids)
@@ -225,7 +248,8 @@ class Job:
                 delta = self.texts[i].update(ids, final=True)
                 if delta:
                     self.post("text", i, delta)
-            finish = "stop" if stopped or len(ids) < self.max_tokens else "length"
+            cut = truncated is not None and truncated[i]
+            finish = "stop" if stopped or (len(ids) < self.max_tokens and not cut) else "length"
             results.append({"text": text, "finish_reason": finish, "completion_tokens": min(len(ids),
                             self.max_tokens), "nfe": n})
         self.post("done", results)
