@@ -1,7 +1,7 @@
 """`dlm serve`'s limits hold against hostile clients (issue 44): bounded stop strings held back in linear time, a
 body deadline before a request takes a slot, streams cancelled when their client stops reading (and a bounded event
-queue), OpenAI's neutral fields accepted, lone surrogates and non-JSON bodies refused, and the CLI's
-flags. After each hostile case the server still answers a normal request."""
+queue), OpenAI's neutral fields accepted, lone surrogates and non-JSON bodies refused, the Host check on loopback and
+the optional API key. After each hostile case the server still answers a normal request."""
 
 import asyncio
 import http.client
@@ -19,6 +19,7 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
+from dlm.errors import DlmError  # noqa: E402
 from dlm.serve.app import create_app  # noqa: E402
 from dlm.serve.engine import Engine, Limits  # noqa: E402
 from dlm.serve.protocol import ApiError  # noqa: E402
@@ -333,11 +334,72 @@ def test_a_body_not_declared_json_is_415(dirs):
         still_serving(url)
 
 
-def test_cli_limit_flags(capsys):
+# ---- 7. the Host check on loopback ---------------------------------------------------------------------------------
+def test_a_loopback_server_answers_only_to_loopback_host_names(dirs):
+    engine = Engine(dirs["masked"])
+    with serving(engine) as url:
+        port = int(url.rsplit(":", 1)[1])
+        for host in (f"localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}", f"LocalHost:{port}"):
+            assert request(url, "GET", "/v1/models", headers={"Host": host})[0] == 200, host
+        for host in (f"evil.example:{port}", "evil.example", f"localhost:{port + 1}", "localhost", f"127.0.0.2:{port}",
+                     f"localhost.evil.example:{port}", "::1", ":"):
+            for path in ("/v1/models", "/health", "/"):
+                status, reply, _ = request(url, "GET", path, headers={"Host": host})
+                assert (status, reply["error"]["code"]) == (403, "host_not_allowed"), (host, path, reply)
+        status, reply, _ = request(url, "POST", "/v1/completions", {"prompt": "a"}, {"Host": f"evil.example:{port}"})
+        assert status == 403 and f"port {port}" in reply["error"]["message"]
+        still_serving(url)
+    with serving(engine, allowed_hosts=["dlm.lan", "box:8443"]) as url:
+        port = int(url.rsplit(":", 1)[1])
+        for host, status in (("dlm.lan", 200), (f"DLM.lan:{port}", 200), ("box:8443", 200), ("box:8444", 403),
+                             (f"localhost:{port}", 200), ("evil.example", 403)):
+            assert request(url, "GET", "/health", headers={"Host": host})[0] == status, host
+    with serving(engine, host="0.0.0.0") as url:  # served on the network: any name, unless --allowed-hosts
+        assert request(url, "GET", "/health", headers={"Host": "dlm.example.org"})[0] == 200
+    with serving(engine, allowed_hosts=["*"]) as url:
+        assert request(url, "GET", "/health", headers={"Host": "anything"})[0] == 200
+    with pytest.raises(DlmError, match="--allowed-hosts: 'a:b'"):
+        create_app(engine, allowed_hosts=["a:b"])
+
+
+# ---- 8. the API key ------------------------------------------------------------------------------------------------
+def test_an_api_key_guards_v1_and_leaves_the_page_and_health_open(dirs, monkeypatch):
+    engine = Engine(dirs["masked"])
+    with serving(engine, api_key="sekret-1") as url:
+        good = openai.OpenAI(base_url=url + "/v1", api_key="sekret-1", max_retries=0, timeout=60)
+        assert good.chat.completions.create(model="masked", messages=HI, max_tokens=4).choices[0].message
+        assert good.models.list().data[0].id == "masked"
+        bad = openai.OpenAI(base_url=url + "/v1", api_key="sekret-2", max_retries=0, timeout=60)
+        with pytest.raises(openai.AuthenticationError) as err:
+            bad.chat.completions.create(model="masked", messages=HI, max_tokens=4)
+        assert err.value.status_code == 401 and err.value.body["code"] == "invalid_api_key"
+        for headers, code in (({}, "missing_api_key"), ({"Authorization": "Basic sekret-1"}, "missing_api_key"),
+                              ({"Authorization": "Bearer sekret-11"}, "invalid_api_key"),
+                              ({"Authorization": "Bearer "}, "missing_api_key")):
+            status, reply, got = request(url, "GET", "/v1/models", headers=headers)
+            assert (status, reply["error"]["code"], got["WWW-Authenticate"]) == (401, code, "Bearer"), headers
+        assert request(url, "GET", "/v1/models", headers={"Authorization": "bearer sekret-1"})[0] == 200
+        assert request(url, "GET", "/health")[0] == 200 and request(url, "GET", "/")[0] in (200, 304)
+        assert request(url, "GET", "/static/app.js")[0] == 200
+    seen = {}
+    monkeypatch.setenv("DLM_API_KEY", "from-env")
+    monkeypatch.setattr("dlm.serve.app.create_app", lambda engine, **kw: seen.update(kw))
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: None)
+    from dlm.serve import serve
+
+    serve(str(dirs["masked"]))
+    assert seen["api_key"] == "from-env" and seen["host"] == "127.0.0.1"
+    monkeypatch.setenv("DLM_API_KEY", " ")
+    with pytest.raises(DlmError, match="API key .* is empty"):
+        serve(str(dirs["masked"]))
+
+
+def test_cli_limits_and_access_flags(capsys):
     from dlm.cli import build_parser, main
 
     help_text = " ".join(build_parser()._subparsers._group_actions[0].choices["serve"].format_help().split())
-    for words in ("--body-timeout", "--send-timeout", "--max-stop-chars", "else 415"):
+    for words in ("--body-timeout", "--send-timeout", "--max-stop-chars", "--allowed-hosts", "--api-key",
+                  "/health stay open", "DLM_API_KEY", "else 415"):
         assert words in help_text
     for flag, value in (("--body-timeout", "0.0"), ("--send-timeout", "-1.0"), ("--max-stop-chars", "0")):
         with pytest.raises(SystemExit) as exit_:

@@ -12,6 +12,7 @@ import pytest
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright wheel is missing: pip install -e '.[dev]'")
 pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
 
 from dlm.serve.engine import Engine  # noqa: E402
 from tests.test_serve import QUESTION, build_models, client, running  # noqa: E402
@@ -84,6 +85,28 @@ def test_page_streams_the_denoising_and_ends_with_the_api_answer(browser, dirs, 
         assert steps == (0 if name == "ar" else api.model_extra["nfe"][0]) and (name == "ar" or steps >= 3)
         if name == "simplex":
             assert page.text_content("#timestep") and page.locator("#canvas .cell.masked").count() == 0
+
+
+def test_page_of_a_server_with_an_api_key_takes_the_key_from_the_url_fragment(browser, dirs):
+    from tests.test_serve_limits import serving
+
+    with serving(Engine(dirs["block"]), api_key="page-key") as url:
+        page = browser.new_page()
+        page.goto(url + "/")  # / is open, /v1 is not: the page says how to give the key
+        page.wait_for_function("document.getElementById('status').textContent === 'error'", timeout=15000)
+        assert "/#key=KEY" in page.text_content("#error")
+        page.goto(url + "/#key=page-key")
+        page.reload()
+        page.wait_for_function("document.getElementById('status').textContent === 'ready'", timeout=15000)
+        page.fill("#prompt", QUESTION)
+        page.fill("#max_tokens", "12")
+        page.fill("#delay", "0")
+        page.click("#run")
+        shown = finish(page)
+        keyed = openai.OpenAI(base_url=url + "/v1", api_key="page-key", max_retries=0, timeout=60)
+        api = keyed.chat.completions.create(model="block", messages=[{"role": "user", "content": QUESTION}],
+                                            max_tokens=12, seed=0, temperature=0)
+        assert shown["status"] == "done" and shown["text"] == api.choices[0].message.content
 
 
 @pytest.mark.skipif(not TRAINED, reason="set DLM_SERVE_PAGE_MODEL to a trained masked run (e.g. runs/demo/mdm)")

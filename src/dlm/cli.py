@@ -297,7 +297,7 @@ def _cmd_serve(a):
                     timeout_s=a.timeout)
     _device_first(a)
     serve(a.model, host=a.host, port=a.port, dtype=a.dtype, device=a.device, name=a.name,
-          defaults=_sampling_settings(a), limits=limits)
+          defaults=_sampling_settings(a), limits=limits, allowed_hosts=a.allowed_hosts, api_key=a.api_key)
 
 
 SERVE_HELP = """endpoints (OpenAI-compatible; any OpenAI client works with base_url http://HOST:PORT/v1):
@@ -321,9 +321,12 @@ request fields: model, max_tokens (masked: the canvas length), temperature (defa
   "block_size", "eos"[, "timestep"]}. Responses and the last stream chunk carry usage, "nfe" per choice and the
   "sampling" options in effect.
 
-limits: a body must be JSON (Content-Type: application/json, else 415) that arrives within
+limits and access: a body must be JSON (Content-Type: application/json, else 415) that arrives within
   --body-timeout (else 408); only then does the request take one of the --max-concurrent slots. stop takes at most 4
-  strings of --max-stop-chars. A stream whose client reads nothing for --send-timeout is cancelled.
+  strings of --max-stop-chars. A stream whose client reads nothing for --send-timeout is cancelled. A loopback --host
+  answers only to Host localhost, 127.0.0.1 or [::1] with its port (else 403: a web page cannot reach the server by
+  rebinding its own name; --allowed-hosts adds names). With --api-key (or DLM_API_KEY), /v1 needs
+  Authorization: Bearer KEY (else 401); / and /health stay open.
 
 streaming: text is sent once it can no longer change (masked: the revealed prefix; simplex: at the end; AR: token
   by token after decoding), never past a stop string. Concurrent greedy requests with the same options and
@@ -588,6 +591,14 @@ def build_parser() -> argparse.ArgumentParser:
                      "reading; then its request is cancelled and the connection closed (default: 30)")
     lim.add_argument("--max-stop-chars", type=int, default=256, help="longest stop string, in characters; longer: 400 "
                      "(default: 256)")
+    acc = v.add_argument_group("access")
+    acc.add_argument("--allowed-hosts", type=lambda s: [h for h in s.split(",") if h], default=[], metavar="HOSTS",
+                     help="comma-separated Host names (name or name:port) answered besides localhost, 127.0.0.1 and "
+                     "[::1] with the server's port: a loopback --host answers to no others (a web page cannot reach "
+                     "it by pointing its own name at 127.0.0.1), another --host to any unless this is given; '*': any")
+    acc.add_argument("--api-key", metavar="KEY", help="every /v1 request must send Authorization: Bearer KEY, "
+                     "else 401; / (the page: open it as /#key=KEY) and /health stay open (default: $DLM_API_KEY, "
+                     "better than this flag: a command line is visible to the machine's other users)")
     _add_sampling_flags(v)
     v.set_defaults(func=_cmd_serve)
     return p

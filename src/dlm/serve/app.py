@@ -5,7 +5,7 @@ POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GE
 request gets an OpenAI error object {"error": {message, type, param, code}}; after a stream has started, an error
 is sent as one `data: {"error": ...}` event before `data: [DONE]`. A request holds one of the --max-concurrent slots
 only once its body has arrived (within --body-timeout) and parsed, until its response ends; a stream whose client
-stops reading for --send-timeout is cancelled."""
+stops reading for --send-timeout is cancelled. Who may call the server: `access`."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException
 
 from dlm.errors import DlmError
 from dlm.serve import protocol
+from dlm.serve.access import Access, rules
 from dlm.serve.batching import Batcher
 from dlm.serve.engine import Engine
 from dlm.serve.protocol import ApiError, ChatRequest, CompletionRequest
@@ -32,9 +33,11 @@ STATIC = Path(__file__).parent / "static"
 log = logging.getLogger("dlm.serve")
 
 
-def create_app(engine: Engine) -> FastAPI:
-    """The app serving `engine`'s model; its batcher runs while the app does (lifespan)."""
+def create_app(engine: Engine, host: str = "127.0.0.1", allowed_hosts=(), api_key: str | None = None) -> FastAPI:
+    """The app serving `engine`'s model; its batcher runs while the app does (lifespan). `host`: the address it is
+    bound to (a loopback one: only loopback Host names are answered, and `allowed_hosts`); `api_key`: /v1 needs it."""
     limits = engine.limits
+    access = rules(host, allowed_hosts, api_key)
     batcher = Batcher(engine.model, engine.tok, limits.max_batch_size, limits.batch_window_ms / 1000)
     state = {"active": 0, "served": 0}
 
@@ -46,6 +49,7 @@ def create_app(engine: Engine) -> FastAPI:
 
     app = FastAPI(title="dlm serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine, app.state.batcher = engine, batcher
+    app.add_middleware(Access, **access)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
 
     @app.exception_handler(ApiError)

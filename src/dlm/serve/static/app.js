@@ -9,9 +9,13 @@ let controller = null;  // aborts the running request
 let queue = [];         // events waiting to be shown, in stream order
 let draining = false;   // whether the loop that shows them is running
 let drained = Promise.resolve();  // ... and its promise
+// A server started with --api-key: open the page as /#key=KEY (a fragment never leaves the browser).
+const KEY = new URLSearchParams(location.hash.slice(1)).get("key");
+const AUTH = KEY ? { Authorization: `Bearer ${KEY}` } : {};
 
 async function init() {
-  const r = await fetch("/v1/models");
+  const r = await fetch("/v1/models", { headers: AUTH });
+  if (!r.ok) throw new Error((await r.json()).error.message + (r.status === 401 ? " (open this page as /#key=KEY)" : ""));
   info = (await r.json()).data[0];
   const family = info.dlm.family;
   $("model").textContent = info.id;
@@ -63,7 +67,7 @@ async function run(event) {
   $("run").disabled = true; $("stop").disabled = false;
   $("status").textContent = "waiting";
   try {
-    const res = await fetch(url, { method: "POST", headers: { "Content-Type": "application/json" },
+    const res = await fetch(url, { method: "POST", headers: { "Content-Type": "application/json", ...AUTH },
                                    body: JSON.stringify(body), signal: controller.signal });
     if (!res.ok) { const err = await res.json(); fail(err.error.message); return; }
     $("status").textContent = "decoding";
