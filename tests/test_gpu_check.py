@@ -16,9 +16,9 @@ ACCEPTANCE = ("prepare", "convert", "generate", "eval", "humaneval", "lm_eval", 
 TIMING = ("mfu", "memory", "block_attention_dense", "sampling")
 
 
-def _gpu_check(tmp_path, *flags):
+def _gpu_check(tmp_path, *flags, **env_extra):
     env = dict(os.environ, OUT=str(tmp_path / "out"), PYTHON=sys.executable, OMP_NUM_THREADS="1",
-               HF_HUB_OFFLINE="1")
+               HF_HUB_OFFLINE="1", **env_extra)
     start = time.perf_counter()
     proc = subprocess.run(["bash", str(ROOT / "benchmarks/gpu_check.sh"), *flags], env=env, capture_output=True,
                           text=True, timeout=900)
@@ -42,6 +42,7 @@ def test_gpu_check_smoke_runs_every_part_on_cpu(tmp_path):
     status = {k: v["status"] for k, v in summary["parts"].items()}
     assert proc.returncode == 0, f"{status}\n{proc.stdout[-3000:]}"
     assert status.pop("block_attention_flex") in ("ok", "skipped: flex attention trains on CUDA only")
+    assert status.pop("sglang") in ("ok", "skipped: sglang not installed")  # optional: a skip passes
     assert status == {k: "ok" for k in ACCEPTANCE + TIMING}
     assert summary["passed"] and summary["tolerances"]["logits_fp32_rel"] > 0
 
@@ -92,3 +93,47 @@ def test_a_failing_part_is_recorded_and_the_check_goes_on(tmp_path):
     assert "run the prepare (and train) parts first" in summary["parts"]["export"]["status"]
     assert summary["parts"]["sampling"]["status"] == "ok"
     assert "error" in json.loads((out / "export.json").read_text())
+
+
+FAKE_SGLANG = """import argparse, json
+from http.server import BaseHTTPRequestHandler, HTTPServer
+ap = argparse.ArgumentParser()
+for flag in ("--model-path", "--port", "--host", "--dllm-algorithm"):
+    ap.add_argument(flag)
+a, _ = ap.parse_known_args()
+config = json.load(open(a.model_path + "/config.json"))
+assert a.dllm_algorithm == "LowConfidence" and config["architectures"] == ["LLaDAModelLM"]
+class Handler(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
+    def do_POST(self):
+        request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        body = json.dumps({"text": " served " + request["text"]}).encode()
+        self.send_response(200); self.end_headers(); self.wfile.write(body)
+HTTPServer((a.host, int(a.port)), Handler).serve_forever()
+"""
+
+
+@pytest.mark.parametrize("knows_llada", [True, False])
+def test_the_sglang_part_serves_the_llada_export_where_sglang_is_installed(tmp_path, knows_llada):
+    """A stand-in sglang (its launch_server a tiny HTTP server that checks the flags and the export's architecture):
+    the part exports the LLaDA stand-in with `dlm export --format llada`, starts the server, sends one request and
+    stops it; an sglang whose srt/dllm/config.py does not name LLaDAModelLM is a skip, which passes."""
+    fake = tmp_path / "fake"
+    (fake / "sglang" / "srt" / "dllm").mkdir(parents=True)
+    for package in ("sglang", "sglang/srt", "sglang/srt/dllm"):
+        (fake / package / "__init__.py").write_text("")
+    (fake / "sglang" / "srt" / "dllm" / "config.py").write_text(
+        'DLLM_PARAMS = {"LLaDAModelLM": 126336}\n' if knows_llada else 'DLLM_PARAMS = {"SDARForCausalLM": 151669}\n')
+    (fake / "sglang" / "launch_server.py").write_text(FAKE_SGLANG)
+    out, proc, _ = _gpu_check(tmp_path, "--smoke", "--parts", "sglang",
+                              PYTHONPATH=f"{fake}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    summary = json.loads((out / "summary.json").read_text())
+    part = json.loads((out / "sglang.json").read_text())
+    assert proc.returncode == 0 and summary["passed"], proc.stdout[-2000:]
+    if knows_llada:
+        assert summary["parts"]["sglang"]["status"] == "ok" and part["passed"]
+        assert part["export"]["exit"] == 0 and "untested on the engines" in part["export"]["stdout"]
+        assert part["request"] == {"status": 200, "body": '{"text": " served Hello"}'}
+    else:
+        assert summary["parts"]["sglang"]["status"].startswith("skipped: this sglang's srt/dllm/config.py")
