@@ -294,7 +294,7 @@ def _cmd_serve(a):
                     max_prompt_tokens=a.max_prompt_tokens, max_batch_size=a.max_batch_size,
                     batch_window_ms=a.batch_window_ms, max_concurrent=a.max_concurrent, max_body_bytes=a.max_body_bytes,
                     body_timeout_s=a.body_timeout, send_timeout_s=a.send_timeout, max_stop_chars=a.max_stop_chars,
-                    timeout_s=a.timeout)
+                    timeout_s=a.timeout, max_nfe=a.max_nfe, continuous=not a.static_batching)
     _device_first(a)
     serve(a.model, host=a.host, port=a.port, dtype=a.dtype, device=a.device, name=a.name,
           defaults=_sampling_settings(a), limits=limits, allowed_hosts=a.allowed_hosts, api_key=a.api_key)
@@ -576,9 +576,14 @@ def build_parser() -> argparse.ArgumentParser:
                      "run's eval.max_new_tokens, else 64)")
     lim.add_argument("--max-prompt-tokens", type=int, help="longest prompt (default: the model's context minus the "
                      "request's generation length); longer: 400")
-    lim.add_argument("--max-batch-size", type=int, default=8, help="rows (prompts x n) decoded together (default: 8)")
-    lim.add_argument("--batch-window-ms", type=float, default=10.0, help="how long a request waits for others to "
-                     "batch with (default: 10)")
+    lim.add_argument("--max-batch-size", type=int, default=8, help="rows (prompts x n) in the running batch; a "
+                     "request joins it at the next step boundary once its rows fit (default: 8)")
+    lim.add_argument("--batch-window-ms", type=float, default=10.0, help="how long the first request after an idle "
+                     "spell waits for others to start with it (default: 10)")
+    lim.add_argument("--max-nfe", type=int, help="forward passes a row may take; a row that reaches it ends with the "
+                     "text it has committed, finish_reason \"length\" (default: as many as its canvas needs)")
+    lim.add_argument("--static-batching", action="store_true", help="decode whole batches, one at a time, instead of "
+                     "letting requests join and leave the running batch at step boundaries (for comparison)")
     lim.add_argument("--max-concurrent", type=int, default=64, help="requests queued or decoding at once; more get "
                      "429 (default: 64)")
     lim.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body; larger: 413 "

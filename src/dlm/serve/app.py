@@ -38,7 +38,8 @@ def create_app(engine: Engine, host: str = "127.0.0.1", allowed_hosts=(), api_ke
     bound to (a loopback one: only loopback Host names are answered, and `allowed_hosts`); `api_key`: /v1 needs it."""
     limits = engine.limits
     access = rules(host, allowed_hosts, api_key)
-    batcher = Batcher(engine.model, engine.tok, limits.max_batch_size, limits.batch_window_ms / 1000)
+    batcher = Batcher(engine.model, engine.tok, limits.max_batch_size, limits.batch_window_ms / 1000,
+                      continuous=limits.continuous, max_nfe=limits.max_nfe)
     state = {"active": 0, "served": 0}
 
     @asynccontextmanager
