@@ -7,8 +7,9 @@
 What runs: every command line of every ```bash block (continuation lines and quotes spanning lines joined; lines
 starting with # are sample output), through bash, with the repository's .venv/bin first on PATH, in WORKDIR (a temp
 dir unless --workdir; recipes/, benchmarks/, scripts/, docs/ and .venv are linked into it, so a command writes only
-there). The docs run in one directory in the order README.md, evaluation, real-models, memory, multi-gpu, so a guide
-can use the tour's models (runs/ar, runs/mdm, ...); a command that needs a model no earlier command made fails here.
+there). The docs run in one directory in the order README.md, evaluation, real-models, memory, multi-gpu,
+serving-at-scale, so a guide can use the tour's models (runs/ar, runs/mdm, ...); a command that needs a model no
+earlier command made fails here.
 - `--smoke` sets DLM_SMOKE=1: every recipe is capped at toy scale (dlm.config.SMOKE_CAPS: 3 updates, 256 training
   examples, 8 test problems), `dlm eval --n` and lm-eval's --limit at 8. Commands are run as written otherwise.
 - `dlm serve` starts in the background; the run waits for its /health, later commands (curl) talk to it, and it is
@@ -40,7 +41,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DOCS = ["README.md", "docs/guides/evaluation.md", "docs/guides/real-models.md", "docs/guides/memory.md",
-                "docs/guides/multi-gpu.md"]
+                "docs/guides/multi-gpu.md", "docs/guides/serving-at-scale.md"]
 LINKED = ("recipes", "benchmarks", "scripts", "docs", ".venv", "src", "pyproject.toml")
 PARSE_ONLY_BLOCK = re.compile(r"<!--\s*doc-commands:\s*parse-only\b(.*?)-->")
 NEEDS = re.compile(r"#\s*needs\b(.*)$")
