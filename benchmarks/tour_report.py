@@ -22,6 +22,8 @@ import shlex
 import sys
 from pathlib import Path
 
+PROGRESS = re.compile(r"\d+/\d+ \[|it/s\]|s/it\]|batch/s\]|s/batch\]")  # a tqdm progress line
+
 
 def _words(command: str) -> list[str]:
     try:
@@ -55,7 +57,15 @@ def headline(record: dict, workdir: Path) -> str | None:
         per = summary["train_seconds"] / max(summary["updates"], 1)
         return f"{kind} {100 * acc:.1f} % (n={e['eval/n']}); {per:.2f} s/update"
     if words[:2] == ["dlm", "eval"]:
-        lines = [x for x in record["output"].splitlines() if "%" in x and "|" in x]
+        lines = [x for x in record["output"].splitlines() if not PROGRESS.search(x)]
+        if "mask-discrepancy" in words:
+            lines = [x for x in lines if "t=0.1:" in x]
+        elif "intrinsic" in words:
+            rows = [json.loads(x) for x in lines if x.startswith("{")]
+            return "; ".join(f"{Path(r['model']).name}: ppl {r['perplexity']:.2f}, dist-2 {r['dist_2']:.2f}, "
+                             f"MAUVE {r['mauve']:.2f}" for r in rows) or None
+        else:
+            lines = [x for x in lines if "%" in x and "|" in x]
         return "; ".join(" ".join(x.split()) for x in lines[:8]) or None
     if words[:2] == ["dlm", "lm-eval"]:
         lines = [x for x in record["output"].splitlines() if "exact_match" in x or "acc" in x]
