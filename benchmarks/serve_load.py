@@ -39,7 +39,6 @@ import platform
 import random
 import statistics
 import sys
-import threading
 import time
 from contextlib import contextmanager
 from datetime import date
@@ -49,28 +48,40 @@ import torch
 
 
 @contextmanager
-def serving(path: str, continuous: bool, max_batch_size: int, max_concurrent: int):
-    """A dlm server for `path` on a free loopback port (uvicorn in a thread); yields (base URL, engine)."""
-    import uvicorn
+def serving(path: str, continuous: bool, max_batch_size: int, max_concurrent: int, threads: int):
+    """`dlm serve` for `path` in its own process on a free loopback port (so that this process's clients never share
+    its interpreter lock); yields (base URL, the model's name and default max_tokens from /v1/models)."""
+    import socket
+    import subprocess
+    from urllib.request import urlopen
 
-    from dlm.serve.app import create_app
-    from dlm.serve.engine import Engine, Limits
-
-    limits = Limits(max_batch_size=max_batch_size, max_concurrent=max_concurrent, continuous=continuous)
-    engine = Engine(path, limits=limits)
-    server = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError(f"the server for {path} did not start")
-        time.sleep(0.01)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "dlm.cli", "serve", str(path), "--host", "127.0.0.1", "--port", str(port),
+           "--threads", str(threads), "--max-batch-size", str(max_batch_size), "--max-concurrent",
+           str(max_concurrent)] + ([] if continuous else ["--static-batching"])
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            with urlopen(url + "/v1/models", timeout=2) as r:
+                model = json.loads(r.read())["data"][0]
+            break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"dlm serve {path} did not start: {proc.stderr.read()[-2000:]}") from None
+            time.sleep(0.2)
     try:
-        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}", engine
+        yield url, model["id"], model["dlm"]["default_max_tokens"]
     finally:
-        server.should_exit = True
-        thread.join(30)
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def _health(url: str) -> dict:
@@ -234,11 +245,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-batch-size", type=int, default=64, help="the server's --max-batch-size (default: 64)")
     p.add_argument("--budget-s", type=float, default=120.0, help="stop a level after this many seconds (default: 120)")
     p.add_argument("--seed", type=int, default=0, help="seeds the open-loop arrival times (default: 0)")
-    p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads (default: all)")
+    p.add_argument("--threads", type=int, default=1, help="the server's torch threads (dlm serve --threads; default: "
+                   "1, leaving a core to the clients)")
     p.add_argument("--out", required=True, help="JSON results; a .md table is written beside it")
     a = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    torch.set_num_threads(a.threads)
     models = []
     for spec in a.model:
         name, sep, path = spec.partition("=")
@@ -257,12 +268,13 @@ def main(argv: list[str] | None = None) -> None:
         for name, path in models:
             for mode in modes:
                 max_concurrent = max([v for k, v in levels if k == "clients"] + [a.requests])
-                with serving(path, mode == "continuous", a.max_batch_size, max_concurrent) as (url, engine):
-                    max_tokens = a.max_tokens or engine.default_max_tokens
+                with serving(path, mode == "continuous", a.max_batch_size, max_concurrent,
+                             a.threads) as (url, name_served, default_max_tokens):
+                    max_tokens = a.max_tokens or default_max_tokens
                     for kind, value in levels:
                         before = _health(url)
                         row, results = asyncio.run(_level(
-                            url, engine.name, records, a.requests, max_tokens, a.budget_s,
+                            url, name_served, records, a.requests, max_tokens, a.budget_s,
                             **({"clients": value} if kind == "clients" else {"rate": value}),
                             seed=a.seed * 1000 + repeat))
                         after = _health(url)
@@ -275,8 +287,8 @@ def main(argv: list[str] | None = None) -> None:
                               f"ttft {row['ttft_p50_s'] or 0:.3f}s, {row['tokens_per_s']:.0f} tok/s, "
                               f"acc {row['accuracy'] or 0:.1%}", flush=True)
     meta = {"command": "python " + " ".join(sys.argv), "date": date.today().isoformat(), "repeats": a.repeats,
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-                       f"{a.threads} thread(s)", "load_before": os.getloadavg()}
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, server "
+                       f"--threads {a.threads}, clients in another process", "load_before": os.getloadavg()}
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, "rows": rows, "ratios": goal_ratios(rows)}, indent=2) + "\n")

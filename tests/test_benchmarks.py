@@ -77,10 +77,10 @@ def test_serve_load_counts_every_request_per_mode_load_and_repeat(saved, tmp_pat
     out = tmp_path / "serving.json"
     serve_load.main(["--model", f"mdm={saved['masked'][1]}", "--model", f"ar={saved['ar'][1]}", "--data",
                      str(_data(tmp_path, n=4)), "--clients", "1,4", "--rates", "50", "--requests", "6",
-                     "--max-tokens", "6", "--repeats", "2", "--threads", "1", "--out", str(out)])
+                     "--max-tokens", "6", "--repeats", "1", "--out", str(out)])
     result = json.loads(out.read_text())
     rows = result["rows"]
-    assert len(rows) == 2 * 2 * 3 * 2  # models x modes x loads x repeats
+    assert len(rows) == 2 * 2 * 3  # models x modes x loads (one repeat: each is a fresh `dlm serve` process)
     assert all(r["requests"] == 6 and r["errors"] == 0 and r["completion_tokens"] > 0 for r in rows)
     for r in rows:
         assert r["p50_s"] <= r["p99_s"] and 0 < r["ttft_p50_s"] <= r["p99_s"] and 0 <= r["accuracy"] <= 1
@@ -92,7 +92,7 @@ def test_serve_load_counts_every_request_per_mode_load_and_repeat(saved, tmp_pat
         same = [r for r in rows if (r["model"], r["clients"], r["rate"], r["repeat"]) == key]
         assert len({r["completion_tokens"] for r in same}) == 1
     whats = [g["what"] for g in result["ratios"]]
-    assert "mdm / ar tokens/s, continuous, 4 clients" in whats and all(len(g["per_repeat"]) == 2
+    assert "mdm / ar tokens/s, continuous, 4 clients" in whats and all(len(g["per_repeat"]) == 1
                                                                       for g in result["ratios"])
     assert (tmp_path / "serving.md").read_text().count("\n| ") == 1 + 2 * 2 * 3  # header + one row per setting
 
