@@ -153,9 +153,32 @@ def test_the_shared_cache_stays_compact_under_many_joins_and_rows_keep_their_ans
         rows.append(make_row(model, p, options, max_new_tokens=12, eos_id=99))
         batch.add([rows[-1]])
         batch.step()
-        widths.append(batch.valid.shape[1])
+        widths.append(batch.C)
     while len(batch):
         batch.step()
     assert max(widths) <= 2 * (23 + 12) + 16 + 23  # compacted: without it, 8 joins of ~20 would pass 160
     for p, row in zip(prompts, rows):
         assert (row.tokens(), row.nfe) == solo(model, p, options, 12, eos=99)
+
+
+@pytest.mark.parametrize("kind", ["block", "ar", "full"])
+def test_random_joins_options_and_lengths_equal_solo_decoding(kind):
+    """Seeded random traffic (2-6 rows, prompts of 2-14 tokens, 3-14 new tokens, joins at steps 0-8, mixed options
+    and block sizes): every row equals its solo decoding; the rows that leave hand their cache slots to others."""
+    import random
+
+    model = _model(kind, label_shift=True)
+    family = "autoregressive" if kind == "ar" else "masked"
+    choices = [{}] if kind == "ar" else [dict(reveal_count=1, block_size=4), dict(reveal_count=2, block_size=8),
+                                         dict(policy="threshold", confidence_threshold=0.3, block_size=4),
+                                         dict(reveal_count=3)]
+    if kind == "block":
+        choices = choices[:3]
+    rng = random.Random(0)
+    for _ in range(12):
+        requests = [([rng.randint(3, VOCAB - 1) for _ in range(rng.randint(2, 14))],
+                     resolve_options(family, rng.choice(choices)), rng.randint(3, 14), rng.randint(0, 8), 0.0, 0)
+                    for _ in range(rng.randint(2, 6))]
+        got, _ = drive(model, requests, eos=5)
+        for (p, o, n, *_), (tokens, nfe, _) in zip(requests, got):
+            assert (tokens, nfe) == solo(model, p, o, n, eos=5)

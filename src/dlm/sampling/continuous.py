@@ -28,11 +28,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from transformers.cache_utils import Cache, DynamicLayer
 
 from dlm.modeling.backbone import align_logits
 from dlm.modeling.blocks import block_causal_allowed, canvas_blocks, num_blocks
 from dlm.sampling.autoregressive import pick_tokens
-from dlm.sampling.block_cache import StepCache, _block_logits
+from dlm.sampling.block_cache import _block_logits
 from dlm.sampling.steps import finished, first_index, make_rule, reveal_step
 
 
@@ -236,83 +237,141 @@ def _kv_shape(model) -> tuple[int, int]:
         getattr(config, "head_dim", None) or config.hidden_size // heads
 
 
+class _SlotLayer(DynamicLayer):
+    """One layer's cache for a step of rows a:b: the step's keys (values) are written into the batch's buffer at
+    columns [C, C + Q) and attention reads columns [0, C + Q) of those rows; nothing is copied."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, C: int):
+        super().__init__()
+        self.keys, self.values, self.C, self.device, self.is_initialized = keys, values, C, keys.device, True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        end = self.C + key_states.shape[2]
+        self.keys[:, :, self.C : end] = key_states
+        self.values[:, :, self.C : end] = value_states
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+
+class _SlotCache(Cache):
+    def __init__(self, layers: list[_SlotLayer]):
+        super().__init__(layers=layers)
+
+
 class Batch:
-    """The running rows and their shared key/value cache: per layer (keys, values) [R, H, C, D] and `valid` [R, C],
-    which columns hold each row's keys. `add` and `drop` change the rows between steps; `step` runs one."""
+    """The running rows and their shared key/value cache: per layer keys and values [rows, H, columns, D] in buffers
+    with room to grow, `valid` [rows, columns] marking which columns hold each row's keys (a row's need not be
+    contiguous) and C, the columns in use. A step writes every row's new keys at columns [C, C + Q) in place and keeps
+    as many as the widest `keep` (the rest of a row's are marked invalid); a row that leaves is replaced by the last
+    row (one row copied), a row that joins takes the next free slot; buffers double when full and are compacted when
+    over half the used columns are padding. `add` and `drop` change the rows between steps; `step` runs one."""
 
     def __init__(self, model, pad_id: int):
         self.model, self.pad_id = model, pad_id
         self.rows: list[Row] = []
-        self.kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-        self.valid: torch.Tensor | None = None
         self.cached = model.spec.family == "autoregressive" or model.spec.attention == "block_causal"
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.valid: torch.Tensor | None = None
+        self.C = 0
 
     def __len__(self) -> int:
         return len(self.rows)
 
+    def _reserve(self, rows: int, columns: int) -> None:
+        """Buffers of at least `rows` x `columns`, growing by doubling (the used part copied)."""
+        model = self.model
+        R0, C0 = (0, 0) if self.valid is None else self.valid.shape
+        if rows <= R0 and columns <= C0:
+            return
+        R1, C1 = max(rows, 2 * R0 if rows > R0 else R0, 8), max(columns, 2 * C0 if columns > C0 else C0, 64)
+        param = next(model.parameters())
+        heads, head_dim = _kv_shape(model)
+        n = len(self.rows)
+        valid = torch.zeros(R1, C1, dtype=torch.bool, device=param.device)
+        if self.valid is not None:
+            valid[:n, : self.C] = self.valid[:n, : self.C]
+        keys, values = [], []
+        for layer in range(model.config.num_hidden_layers):
+            # zeros, not empty: a padding column is masked, but a NaN in uninitialised memory would still reach
+            # the scores (NaN + finfo.min is NaN) and the weighted values (0 x NaN)
+            k = torch.zeros(R1, heads, C1, head_dim, dtype=param.dtype, device=param.device)
+            v = torch.zeros_like(k)
+            if self.keys:
+                k[:n, :, : self.C], v[:n, :, : self.C] = self.keys[layer][:n, :, : self.C], \
+                    self.values[layer][:n, :, : self.C]
+            keys.append(k)
+            values.append(v)
+        self.keys, self.values, self.valid = keys, values, valid
+
+    @torch.inference_mode()  # the buffers are inference tensors, updated in place
     def add(self, rows: list[Row]) -> None:
         """Rows join with no cached keys (their first segment computes their prompt)."""
         if not rows:
             return
-        if self.cached and self.kv is not None:
-            n = len(rows)
-            self.kv = [(torch.cat([k, k.new_zeros(n, *k.shape[1:])]), torch.cat([v, v.new_zeros(n, *v.shape[1:])]))
-                       for k, v in self.kv]
-            self.valid = torch.cat([self.valid, self.valid.new_zeros(n, self.valid.shape[1])])
+        if self.cached:
+            n = len(self.rows)
+            self._reserve(n + len(rows), self.C)
+            self.valid[n : n + len(rows)] = False
         self.rows += rows
 
+    @torch.inference_mode()
     def drop(self, leaving: list[Row]) -> None:
-        """Remove rows (finished, or their client left)."""
+        """Remove rows (finished, or their client left): each slot freed takes the last row."""
         gone = {id(r) for r in leaving}
-        keep = [i for i, r in enumerate(self.rows) if id(r) not in gone]
-        if len(keep) == len(self.rows):
-            return
-        self.rows = [self.rows[i] for i in keep]
-        if self.kv is not None:
-            if not keep:
-                self.kv = self.valid = None
-                return
-            index = torch.tensor(keep, device=self.valid.device)
-            self.kv = [(k.index_select(0, index), v.index_select(0, index)) for k, v in self.kv]
-            self.valid = self.valid.index_select(0, index)
-            self._compact()
+        for i in reversed([i for i, r in enumerate(self.rows) if id(r) in gone]):
+            last = len(self.rows) - 1
+            if self.cached and i != last:
+                for t in (*self.keys, *self.values):
+                    t[i, :, : self.C] = t[last, :, : self.C]
+                self.valid[i, : self.C] = self.valid[last, : self.C]
+            self.rows[i] = self.rows[last]
+            self.rows.pop()
+        if not self.rows:
+            self.C = 0
 
     def _compact(self) -> None:
-        """Keep only the columns some row uses, each row's in order, when over half the cache is padding."""
-        used = self.valid.sum(1)
-        width = int(used.max()) if len(used) else 0
-        if self.valid.shape[1] <= 2 * width + 16:
+        """Keep only the columns some row uses, each row's in order, when over half the used ones are padding."""
+        n = len(self.rows)
+        valid = self.valid[:n, : self.C]
+        used = valid.sum(1)
+        width = int(used.max()) if n else 0
+        if self.C <= 2 * width + 16:
             return
-        order = torch.sort((~self.valid).to(torch.uint8), dim=1, stable=True).indices[:, :width]  # valid first
-        self.valid = torch.arange(width, device=used.device)[None] < used[:, None]
-        self.kv = [tuple(t.gather(2, order[:, None, :, None].expand(t.shape[0], t.shape[1], width, t.shape[3]))
-                         for t in pair) for pair in self.kv]
+        order = torch.sort((~valid).to(torch.uint8), dim=1, stable=True).indices[:, :width]  # valid first, in order
+        for t in (*self.keys, *self.values):
+            t[:n, :, :width] = t[:n, :, : self.C].gather(2, order[:, None, :, None].expand(n, t.shape[1], width,
+                                                                                           t.shape[3]))
+        self.valid[:n, :width] = torch.arange(width, device=used.device)[None] < used[:, None]
+        self.C = width
 
     @torch.inference_mode()
     def step(self) -> list[Row]:
         """Every row's next segment, then each row's own step; returns the rows that finished (they have left the
-        batch). Rows whose segments are of similar width share a forward pass; a wide one (a joining row's prompt)
-        runs in its own, so that decoding rows are not padded to a prompt's width."""
+        batch). Runs of rows (in batch order) whose segments are of similar width share a forward pass; a joining
+        row's prompt runs in its own, so that decoding rows are not padded to a prompt's width."""
         segments = [r.segment() for r in self.rows]
-        new = []  # per group: (row indices, per-layer (keys, values) of its kept positions, keep per row)
-        for group in _groups([len(s.ids) for s in segments]):
-            new.append(self._forward(group, [segments[i] for i in group]))
+        widths = [len(s.ids) for s in segments]
         if self.cached:
-            self._append(new)
+            self._reserve(len(self.rows), self.C + max(widths))
+        for a, b in _runs(widths):
+            self._forward(a, b, segments[a:b])
+        if self.cached:
+            width = max(s.keep for s in segments)
+            keeps = torch.tensor([s.keep for s in segments], device=self.valid.device)
+            self.valid[: len(self.rows), self.C : self.C + width] = \
+                torch.arange(width, device=keeps.device)[None] < keeps[:, None]
+            self.C += width
         finished = [r for r in self.rows if r.done]
         self.drop(finished)
+        if self.cached and self.rows:
+            self._compact()
         return finished
 
-    def _forward(self, group: list[int], segments: list[Segment]):
-        """One forward pass for the rows `group` (indices into self.rows), right-padded; each row advances."""
+    def _forward(self, a: int, b: int, segments: list[Segment]) -> None:
+        """One forward pass for rows a:b, right-padded; each row advances."""
         model = self.model
-        rows = [self.rows[i] for i in group]
         device, dtype = segments[0].ids.device, next(model.parameters()).dtype
-        R, Q = len(rows), max(len(s.ids) for s in segments)
-        whole = len(group) == len(self.rows)
-        index = None if whole else torch.tensor(group, device=device)
-        valid = None if self.kv is None else (self.valid if whole else self.valid.index_select(0, index))
-        C = 0 if valid is None else valid.shape[1]
+        R, Q, C = b - a, max(len(s.ids) for s in segments), self.C
         ids = torch.full((R, Q), self.pad_id, dtype=torch.long, device=device)
         positions = torch.zeros(R, Q, dtype=torch.long, device=device)
         own = torch.eye(Q, dtype=torch.bool, device=device).repeat(R, 1, 1)  # padding queries see themselves only
@@ -325,76 +384,34 @@ class Batch:
             ids[i, :q], positions[i, :q], own[i, :q, :q], real[i, :q] = seg.ids, seg.positions, seg.allowed, True
             if seg.carry is not None:
                 carry[i, :q], carry_mask[i, :q] = seg.carry, seg.carry_mask
-        allowed = own if C == 0 else torch.cat([valid[:, None, :] & real[:, :, None], own], dim=2)
+        allowed = own if C == 0 else torch.cat([self.valid[a:b, None, :C] & real[:, :, None], own], dim=2)
         mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
         inputs = dict(attention_mask=mask[:, None], position_ids=positions, align=False)
-        cache = None
         if self.cached:
-            if self.kv is None:
-                heads, head_dim = _kv_shape(model)
-                empty = torch.zeros(R, heads, 0, head_dim, dtype=dtype, device=device)
-                kept = [(empty, empty)] * model.config.num_hidden_layers
-            else:
-                kept = self.kv if whole else [(k.index_select(0, index), v.index_select(0, index))
-                                              for k, v in self.kv]
-            cache = StepCache(kept, Q)
+            cache = _SlotCache([_SlotLayer(k[a:b], v[a:b], C) for k, v in zip(self.keys, self.values)])
             inputs.update(cache=cache, use_cache=True)
         if uses_carry:
             raw, hidden = model(ids, carry=carry, carry_mask=carry_mask, return_hidden=True, **inputs)
         else:
             raw, hidden = model(ids, **inputs), None
-        for i, (row, seg) in enumerate(zip(rows, segments)):
+        for i, (row, seg) in enumerate(zip(self.rows[a:b], segments)):
             q = len(seg.ids)
             row.advance(raw[i, :q], hidden[i, :q] if hidden is not None else None)
-        if cache is None:
-            return None
-        width = max(s.keep for s in segments)
-        keeps = torch.tensor([s.keep for s in segments], device=device)
-        return group, [(layer.keys[:, :, C : C + width], layer.values[:, :, C : C + width])
-                       for layer in cache.layers], keeps
-
-    def _append(self, new: list) -> None:
-        """Add the columns each group kept (its rows' first `keep` step positions) to the cache."""
-        width = max(kv[0][0].shape[2] for _, kv, _ in new)
-        R = len(self.rows)
-        if self.kv is None:  # the first step: no columns yet
-            device = new[0][2].device
-            self.valid = torch.zeros(R, 0, dtype=torch.bool, device=device)
-            self.kv = [(k.new_zeros(R, k.shape[1], 0, k.shape[3]), v.new_zeros(R, v.shape[1], 0, v.shape[3]))
-                       for k, v in new[0][1]]
-        if width == 0:
-            return
-        if len(new) == 1 and len(new[0][0]) == R:  # one group of every row: its columns as they are
-            _, kv, keeps = new[0]
-            columns = [(k[:, :, :width], v[:, :, :width]) for k, v in kv]
-            valid = torch.arange(width, device=keeps.device)[None] < keeps[:, None]
-        else:
-            k0 = self.kv[0][0]
-            columns = [(k0.new_zeros(R, k0.shape[1], width, k0.shape[3]),
-                        k0.new_zeros(R, k0.shape[1], width, k0.shape[3])) for _ in self.kv]
-            valid = torch.zeros(R, width, dtype=torch.bool, device=k0.device)
-            for group, kv, keeps in new:
-                w = kv[0][0].shape[2]
-                index = torch.tensor(group, device=k0.device)
-                for (ck, cv), (k, v) in zip(columns, kv):
-                    ck[index, :, :w], cv[index, :, :w] = k, v
-                valid[index, :w] = torch.arange(w, device=k0.device)[None] < keeps[:, None]
-        self.kv = [(torch.cat([k, ck], 2), torch.cat([v, cv], 2)) for (k, v), (ck, cv) in zip(self.kv, columns)]
-        self.valid = torch.cat([self.valid, valid], 1)
-        self._compact()
 
 
-def _groups(widths: list[int]) -> list[list[int]]:
-    """Row indices grouped by segment width: sorted by width, a group takes rows up to twice its narrowest's width
-    (so padding at most doubles a group's work)."""
-    order = sorted(range(len(widths)), key=lambda i: widths[i])
-    groups: list[list[int]] = []
-    for i in order:
-        if groups and widths[i] <= 2 * widths[groups[-1][0]]:
-            groups[-1].append(i)
-        else:
-            groups.append([i])
-    return [sorted(g) for g in groups]
+def _runs(widths: list[int]) -> list[tuple[int, int]]:
+    """Runs (start, end) of rows in batch order whose segment widths stay within 2x of each other (so padding at most
+    doubles a forward's work); the rows that join a step come last, so a prompt's width starts a run of its own."""
+    runs: list[tuple[int, int]] = []
+    start, low, high = 0, None, None
+    for i, w in enumerate(widths):
+        if low is not None and (w > 2 * low or high > 2 * w):
+            runs.append((start, i))
+            start, low, high = i, None, None
+        low, high = (w, w) if low is None else (min(low, w), max(high, w))
+    if widths:
+        runs.append((start, len(widths)))
+    return runs
 
 
 def has_rows(model, options) -> bool:

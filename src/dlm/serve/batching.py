@@ -96,7 +96,19 @@ class Batcher:
             await self._wake.wait()
             await asyncio.sleep(self.window_s)  # let concurrent requests start together
             self._wake.clear()  # before the work: a job submitted from here on sets it again
-            await loop.run_in_executor(self._pool, self._work)
+            try:
+                await loop.run_in_executor(self._pool, self._work)
+            except Exception as err:  # a bug in scheduling: the jobs under way fail, the server goes on serving
+                log.exception("the decoding loop failed")
+                self._fail_all(err)
+
+    def _fail_all(self, err: Exception) -> None:
+        with self._lock:
+            jobs = {id(j): j for j in [job for job, _, _ in self.active] + self.current}
+        for job in jobs.values():
+            job.fail(err)
+        self.batch = Batch(self.model, self.tok.pad_token_id)
+        self.active, self.current = [], []
 
     # ---- the decoding thread ----------------------------------------------------------------------------------
     def _work(self) -> None:
