@@ -347,14 +347,16 @@ class Batch:
     @torch.inference_mode()
     def step(self) -> list[Row]:
         """Every row's next segment, then each row's own step; returns the rows that finished (they have left the
-        batch). Runs of rows (in batch order) whose segments are of similar width share a forward pass; a joining
-        row's prompt runs in its own, so that decoding rows are not padded to a prompt's width."""
+        batch). Rows whose segments are of similar width share a forward pass; a joining row's prompt runs in its
+        own, so that decoding rows are not padded to a prompt's width."""
         segments = [r.segment() for r in self.rows]
         widths = [len(s.ids) for s in segments]
         if self.cached:
             self._reserve(len(self.rows), self.C + max(widths))
-        for a, b in _runs(widths):
-            self._forward(a, b, segments[a:b])
+        # a cached batch pays a copy for a group that is not a run of slots, an uncached one pays nothing: the
+        # cached batch groups tighter (block rows at a block's first step, twice as wide, run on their own)
+        for group in _groups(widths, 1.25 if self.cached else 2.0):
+            self._forward(group, [segments[i] for i in group])
         if self.cached:
             width = max(s.keep for s in segments)
             keeps = torch.tensor([s.keep for s in segments], device=self.valid.device)
@@ -367,11 +369,16 @@ class Batch:
             self._compact()
         return finished
 
-    def _forward(self, a: int, b: int, segments: list[Segment]) -> None:
-        """One forward pass for rows a:b, right-padded; each row advances."""
+    def _forward(self, group: list[int], segments: list[Segment]) -> None:
+        """One forward pass for the rows `group` (ascending slot indices), right-padded; each row advances. Slots
+        a..b-1 in a run are read and written in place; other groups work on a copy of their rows' cache and write
+        the step's columns back."""
         model = self.model
         device, dtype = segments[0].ids.device, next(model.parameters()).dtype
-        R, Q, C = b - a, max(len(s.ids) for s in segments), self.C
+        R, Q, C = len(group), max(len(s.ids) for s in segments), self.C
+        a, b = group[0], group[-1] + 1
+        run = b - a == R
+        index = None if run else torch.tensor(group, device=device)
         ids = torch.full((R, Q), self.pad_id, dtype=torch.long, device=device)
         positions = torch.zeros(R, Q, dtype=torch.long, device=device)
         own = torch.eye(Q, dtype=torch.bool, device=device).repeat(R, 1, 1)  # padding queries see themselves only
@@ -384,34 +391,38 @@ class Batch:
             ids[i, :q], positions[i, :q], own[i, :q, :q], real[i, :q] = seg.ids, seg.positions, seg.allowed, True
             if seg.carry is not None:
                 carry[i, :q], carry_mask[i, :q] = seg.carry, seg.carry_mask
-        allowed = own if C == 0 else torch.cat([self.valid[a:b, None, :C] & real[:, :, None], own], dim=2)
+        valid = None if C == 0 else (self.valid[a:b, :C] if run else self.valid[index, :C])
+        allowed = own if C == 0 else torch.cat([valid[:, None, :] & real[:, :, None], own], dim=2)
         mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
         inputs = dict(attention_mask=mask[:, None], position_ids=positions, align=False)
         if self.cached:
-            cache = _SlotCache([_SlotLayer(k[a:b], v[a:b], C) for k, v in zip(self.keys, self.values)])
-            inputs.update(cache=cache, use_cache=True)
+            if run:
+                buffers = [(k[a:b], v[a:b]) for k, v in zip(self.keys, self.values)]
+            else:
+                buffers = [(k[index, :, : C + Q], v[index, :, : C + Q]) for k, v in zip(self.keys, self.values)]
+            inputs.update(cache=_SlotCache([_SlotLayer(k, v, C) for k, v in buffers]), use_cache=True)
         if uses_carry:
             raw, hidden = model(ids, carry=carry, carry_mask=carry_mask, return_hidden=True, **inputs)
         else:
             raw, hidden = model(ids, **inputs), None
-        for i, (row, seg) in enumerate(zip(self.rows[a:b], segments)):
+        if self.cached and not run:  # the step's columns back into the batch's buffers
+            for (k, v), (gk, gv) in zip(zip(self.keys, self.values), buffers):
+                k[index, :, C : C + Q], v[index, :, C : C + Q] = gk[:, :, C:], gv[:, :, C:]
+        for i, (row, seg) in enumerate(zip([self.rows[j] for j in group], segments)):
             q = len(seg.ids)
             row.advance(raw[i, :q], hidden[i, :q] if hidden is not None else None)
 
 
-def _runs(widths: list[int]) -> list[tuple[int, int]]:
-    """Runs (start, end) of rows in batch order whose segment widths stay within 2x of each other (so padding at most
-    doubles a forward's work); the rows that join a step come last, so a prompt's width starts a run of its own."""
-    runs: list[tuple[int, int]] = []
-    start, low, high = 0, None, None
-    for i, w in enumerate(widths):
-        if low is not None and (w > 2 * low or high > 2 * w):
-            runs.append((start, i))
-            start, low, high = i, None, None
-        low, high = (w, w) if low is None else (min(low, w), max(high, w))
-    if widths:
-        runs.append((start, len(widths)))
-    return runs
+def _groups(widths: list[int], ratio: float) -> list[list[int]]:
+    """Row indices grouped by segment width (each group ascending): sorted by width, a group takes rows up to `ratio`
+    times its narrowest's width, so padding costs a group at most that factor of its work."""
+    groups: list[list[int]] = []
+    for i in sorted(range(len(widths)), key=lambda i: widths[i]):
+        if groups and widths[i] <= ratio * widths[groups[-1][0]]:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return [sorted(g) for g in groups]
 
 
 def has_rows(model, options) -> bool:
