@@ -6,6 +6,7 @@ which the server keeps serving."""
 
 import http.client
 import json
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -56,20 +57,26 @@ def build_models(tok, root) -> dict:
 
 
 @contextmanager
-def running(engine: Engine):
-    """The app of `engine` served by uvicorn in a thread on a free loopback port; yields its base URL."""
-    server = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
+def running(engine: Engine, sndbuf: int | None = None, **access):
+    """`create_app(engine, **access)` under uvicorn in a thread, on a loopback socket bound here (`sndbuf`: the send
+    buffer of every connection, small enough for a client that does not read to fill it); yields the base URL."""
+    sock = socket.socket()
+    if sndbuf:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)  # accepted connections inherit it
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, **access), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
     while not server.started:
         assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
         time.sleep(0.01)
     try:
-        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
     finally:
         server.should_exit = True
         thread.join(10)
+        sock.close()
 
 
 def client(url):

@@ -9,9 +9,7 @@ import json
 import random
 import select
 import socket
-import threading
 import time
-from contextlib import contextmanager
 
 import pytest
 
@@ -24,7 +22,7 @@ from dlm.serve.app import create_app  # noqa: E402
 from dlm.serve.engine import Engine, Limits  # noqa: E402
 from dlm.serve.protocol import ApiError  # noqa: E402
 from dlm.serve.stream import ChoiceText, Job  # noqa: E402
-from tests.test_serve import build_models, chat, client, slow  # noqa: E402
+from tests.test_serve import build_models, chat, client, running, slow  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 HI = [{"role": "user", "content": "hi"}]
@@ -35,27 +33,7 @@ def dirs(tiny_tokenizer, tmp_path_factory):
     return build_models(tiny_tokenizer, tmp_path_factory.mktemp("limits"))
 
 
-@contextmanager
-def serving(engine: Engine, sndbuf: int | None = None, **access):
-    """`create_app(engine, **access)` under uvicorn in a thread, on a loopback socket bound here (`sndbuf`: the send
-    buffer of every connection, small enough for a client that does not read to fill it); yields the base URL."""
-    sock = socket.socket()
-    if sndbuf:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)  # accepted connections inherit it
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, **access), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        sock.close()
+serving = running  # the test app on a socket bound here (tests.test_serve.running)
 
 
 def request(url, method, path, body=None, headers=None):
