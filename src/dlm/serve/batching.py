@@ -143,9 +143,7 @@ class Batcher:
             while self.pending:
                 job = self.pending[0]
                 if not (self.continuous and has_rows(self.model, job.options)):
-                    if self.continuous or not self.active:
-                        return self._take_whole()
-                    return []
+                    return self._take_whole()  # static batching never has running rows
                 if len(self.active) + len(job.rows) > self.max_batch_size:
                     return []
                 self.pending.pop(0)
@@ -153,14 +151,11 @@ class Batcher:
         return []
 
     def _join(self, job: Job) -> None:
-        generator = self._generator(job)
-        budget = self.max_nfe
-        for i, prompt in enumerate(job.rows):
-            row = make_row(self.model, prompt, job.options, max_new_tokens=job.max_tokens,
-                           eos_id=self.tok.eos_token_id, temperature=job.temperature, generator=generator,
-                           budget=budget)
-            self.active.append((job, i, row))
-        job.live = [row for j, _, row in self.active if j is job]
+        generator = self._generator(job)  # one per job, shared by its rows
+        job.live = [make_row(self.model, prompt, job.options, max_new_tokens=job.max_tokens,
+                             eos_id=self.tok.eos_token_id, temperature=job.temperature, generator=generator,
+                             budget=self.max_nfe) for prompt in job.rows]
+        self.active += [(job, i, row) for i, row in enumerate(job.live)]
         self.batch.add([row for row in job.live if not row.done])
 
     def _generator(self, job: Job):
@@ -269,10 +264,6 @@ class Batcher:
 
     def decode_now(self, jobs: list[Job]) -> None:
         """Decode `jobs` to the end in the calling thread, as the scheduler would (tests, tools)."""
-        for job in jobs:
-            self.submit_now(job)
-        self._work()
-
-    def submit_now(self, job: Job) -> None:
         with self._lock:
-            self.pending.append(job)
+            self.pending += jobs
+        self._work()
