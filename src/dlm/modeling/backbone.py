@@ -88,6 +88,13 @@ def align_logits(logits: torch.Tensor, label_shift: bool) -> torch.Tensor:
     return torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
 
 
+def kv_shape(config) -> tuple[int, int]:
+    """(key/value heads, head dimension) of an HF decoder config (grouped-query attention included)."""
+    heads = config.num_attention_heads
+    return getattr(config, "num_key_value_heads", None) or heads, \
+        getattr(config, "head_dim", None) or config.hidden_size // heads
+
+
 def unwrap(model: nn.Module) -> nn.Module:
     """The model inside a DDP / accelerate wrapper (or the model itself)."""
     return getattr(model, "module", model)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from dlm.modeling.backbone import align_logits
+from dlm.modeling.backbone import align_logits, kv_shape
 from dlm.modeling.blocks import block_causal_allowed, canvas_blocks, num_blocks
 from dlm.sampling.autoregressive import pick_tokens
 from dlm.sampling.block_cache import _block_logits
@@ -209,7 +209,6 @@ class ARRow(Row):
         self.max_new, self.eos_id = max_new_tokens, eos_id
         self.temperature, self.generator = temperature, generator
         self.out: list[int] = []
-        self.last = None
 
     def segment(self) -> Segment:
         if not self.out:
@@ -228,13 +227,6 @@ class ARRow(Row):
 
     def tokens(self) -> list[int]:
         return self.out[:-1] if self.out and self.out[-1] == self.eos_id else list(self.out)
-
-
-def _kv_shape(model) -> tuple[int, int]:
-    config = model.config
-    heads = config.num_attention_heads
-    return getattr(config, "num_key_value_heads", None) or heads, \
-        getattr(config, "head_dim", None) or config.hidden_size // heads
 
 
 class _SlotLayer(DynamicLayer):
@@ -285,7 +277,7 @@ class Batch:
             return
         R1, C1 = max(rows, 2 * R0 if rows > R0 else R0, 8), max(columns, 2 * C0 if columns > C0 else C0, 64)
         param = next(model.parameters())
-        heads, head_dim = _kv_shape(model)
+        heads, head_dim = kv_shape(model.config)
         n = len(self.rows)
         valid = torch.zeros(R1, C1, dtype=torch.bool, device=param.device)
         if self.valid is not None:

@@ -9,6 +9,7 @@ Every number is arithmetic on stated formulas (`FORMULAS`), an upper bound where
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -20,7 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from dlm.config import FAMILIES, GPUS, Recipe, model_spec
 from dlm.errors import DlmError
 from dlm.modeling import lora
-from dlm.modeling.backbone import PRESETS, DiffusionLM
+from dlm.modeling.backbone import PRESETS, DiffusionLM, kv_shape
 from dlm.modeling.build import EXTRAS
 from dlm.modeling.formats import FORMATS
 
@@ -247,8 +248,7 @@ def estimate(recipe: Recipe, recipe_path: str | Path | None = None) -> dict:
     n_mm_trainable = sum(p.numel() for p in matmul if p.requires_grad)
 
     h, n_layers, vocab = cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size
-    h_kv = (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads) * (
-        getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads)
+    h_kv = math.prod(kv_shape(cfg))
     inter = cfg.intermediate_size
     layer_params = max(sum(p.numel() for p in layer.parameters()) for layer in model.backbone.base_model.layers)
 
