@@ -7,55 +7,29 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
 from pydantic import TypeAdapter, ValidationError
 
 from dlm.data.prompts import generation_span
-from dlm.errors import DlmError, OptionsError
+from dlm.errors import OptionsError
 from dlm.modeling.device import placement
 from dlm.sampling import load_for_inference, resolve_options
 from dlm.sampling.options import OWNER, POLICY_USES, UnusedOptionError, ignored, option_name, options_class
+from dlm.serve.limits import FALLBACK_MAX_TOKENS, Limits
 from dlm.serve.protocol import ApiError, ChatRequest, CompletionRequest
 from dlm.serve.stream import ChoiceText, Job, Pieces, serialized
 
 SERVER_ONLY = ("reward_model",)  # options a client may not set: a path on the server's disk
 
 
-@dataclass(frozen=True)
-class Limits:
-    """What the server accepts (the `dlm serve` flags)."""
-
-    max_tokens: int = 1024  # the largest max_tokens a request may ask for
-    default_max_tokens: int | None = None  # None: the run's eval.max_new_tokens, else 64
-    max_prompt_tokens: int | None = None  # None: the model's context minus the request's generation span
-    max_batch_size: int = 8  # rows (prompts x n) decoded together
-    batch_window_ms: float = 10.0  # how long the first request of a batch waits for others
-    max_concurrent: int = 64  # requests queued or decoding; more: 429
-    max_body_bytes: int = 1 << 20  # larger request bodies: 413
-    body_timeout_s: float = 30.0  # a request body still arriving after this: 408 (a slow client holds no slot)
-    timeout_s: float = 300.0  # per request, queueing included: 504, or an error event in a stream
-    send_timeout_s: float = 30.0  # a stream its client has not read for this long is cancelled
-    max_stop_chars: int = 256  # the longest stop string; longer: 400
-    max_queued_events: int = 1024  # stream events waiting for a slow reader; one more: the request is cancelled
-    max_nfe: int | None = None  # forward passes per row; None: as many as the canvas needs (its length at most)
-    continuous: bool = True  # rows join and leave the running batch at step boundaries; False: whole batches
-
-    def __post_init__(self):
-        for name, value in vars(self).items():
-            if value is not None and not isinstance(value, bool) and not value > 0:
-                flag = {"timeout_s": "timeout", "body_timeout_s": "body_timeout", "send_timeout_s": "send_timeout"
-                        }.get(name, name)
-                raise DlmError(f"--{flag.replace('_', '-')} must be > 0, got {value}")
-
-
 class Engine:
     """A loaded model (`load_for_inference`), its tokenizer, sampling defaults and limits."""
 
     def __init__(self, path: str | Path, dtype="auto", name: str | None = None, defaults=None,
-                 limits: Limits = Limits(), device="auto"):
+                 limits: Limits | None = None, device="auto"):
+        limits = limits or Limits()
         self.model, self.tok = load_for_inference(path, dtype=dtype, device=device)
         self.placement = placement(self.model)  # where it runs: /health and /v1/models say it
         self.spec, self.limits = self.model.spec, limits
@@ -71,7 +45,8 @@ class Engine:
             base = base.override({k: getattr(chosen, k) for k in chosen.model_fields_set})
         self.defaults = base
         self.ignored = ignored(self.family, defaults, self.spec, base) if defaults is not None else []
-        self.default_max_tokens = limits.default_max_tokens or (recipe.eval.max_new_tokens if recipe else 64)
+        fallback = recipe.eval.max_new_tokens if recipe else FALLBACK_MAX_TOKENS
+        self.default_max_tokens = limits.default_max_tokens or fallback
         self.default_temperature = recipe.eval.temperature if recipe else 0.0
         self.lock = threading.Lock()  # one tokenizer call at a time (request threads and the decoding thread)
         self.decode = serialized(self.tok.decode, self.lock)
