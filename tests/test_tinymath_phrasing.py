@@ -9,7 +9,7 @@ from string import Formatter
 
 import pytest
 
-from dlm.data import tinymath as tm
+from dlm.data import tinymath_templates as tm
 from dlm.data.tinymath import (
     LEVELS,
     NAMES,
@@ -36,8 +36,8 @@ _FIELDS = {  # what each template field can be filled with
     "names": f"(?:{_NAME}, )*{_NAME} and {_NAME}", "d": r"\d+", "a": r"\d+", "b": r"\d+", "m": r"\d+",
     "P": _alt(p for _, p in OBJECTS), "Q": _alt(p for _, p in OBJECTS), "s": _alt(s for s, _ in OBJECTS),
     "C": _alt(c for c, _ in tm.CONTAINERS), "Cp": _alt(c for _, c in tm.CONTAINERS),
-    "mw": _alt(tm._MULT.values()), "mv": _alt(tm._MVERB.values()), "mr": _alt(tm._MRES.values()),
-    "fw": _alt(tm._FRAC.values()), "fo": _alt(tm._FRAC_OF.values()), "rel": _alt(tm.RELATIVES),
+    "mw": _alt(tm.TIMES_WORDS.values()), "mv": _alt(tm.TIMES_VERBS.values()), "mr": _alt(tm.TIMES_RESULTS.values()),
+    "fw": _alt(tm.FRACTION_WORDS.values()), "fo": _alt(tm.FRACTION_OF_WORDS.values()), "rel": _alt(tm.RELATIVES),
     "place": _alt(tm.PLACES),
 }
 

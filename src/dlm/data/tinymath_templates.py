@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-_F = ("Mia Emma Ava Lily Zoe Nora Ella Chloe Grace Ruby Hannah Sara Lucy Amy Julia Nina Rosa Maya Ivy Anna Kate "
-      "Leah Olivia").split()
-_M = ("Leo Tom Ben Sam Jack Noah Liam Owen Eli Luke Ryan Adam Omar Ivan Hugo Carl Dan Paul Raj Theo Finn Kai "
-      "Jake").split()
-NAMES: list[tuple[str, str]] = [(n, "f") for n in _F] + [(n, "m") for n in _M]
+_FEMALE_NAMES = ("Mia Emma Ava Lily Zoe Nora Ella Chloe Grace Ruby Hannah Sara Lucy Amy Julia Nina Rosa Maya "
+                 "Ivy Anna Kate Leah Olivia").split()
+_MALE_NAMES = ("Leo Tom Ben Sam Jack Noah Liam Owen Eli Luke Ryan Adam Omar Ivan Hugo Carl Dan Paul Raj Theo "
+               "Finn Kai Jake").split()
+NAMES: list[tuple[str, str]] = [(n, "f") for n in _FEMALE_NAMES] + [(n, "m") for n in _MALE_NAMES]
 OBJECTS: list[tuple[str, str]] = [(s, s + "s") for s in (
     "apple marble sticker pencil cookie book card shell stamp coin balloon crayon flower candy cupcake muffin button "
     "feather ribbon rock egg grape lemon bead block puzzle kite sock orange plum toy".split())] + [
@@ -24,11 +24,12 @@ CONTAINERS = [("box", "boxes"), ("bag", "bags"), ("jar", "jars"), ("basket", "ba
               ("tray", "trays"), ("bucket", "buckets")]
 PLACES = ["park", "library", "school", "store", "zoo", "beach", "market", "pool"]
 RELATIVES = ["brother", "sister", "cousin", "aunt", "uncle", "neighbor", "friend"]
-_MULT = {2: "twice", 3: "three times", 4: "four times"}
-_MVERB = {2: "doubles", 3: "triples", 4: "quadruples"}
-_MRES = {2: "doubled", 3: "tripled", 4: "quadrupled"}
-_FRAC = {2: "half", 3: "a third", 4: "a quarter", 5: "a fifth"}
-_FRAC_OF = {2: "half of", 3: "one third of", 4: "one quarter of", 5: "one fifth of"}
+# number words for multiples and fractions, by factor
+TIMES_WORDS = {2: "twice", 3: "three times", 4: "four times"}
+TIMES_VERBS = {2: "doubles", 3: "triples", 4: "quadruples"}
+TIMES_RESULTS = {2: "doubled", 3: "tripled", 4: "quadrupled"}
+FRACTION_WORDS = {2: "half", 3: "a third", 4: "a quarter", 5: "a fifth"}
+FRACTION_OF_WORDS = {2: "half of", 3: "one third of", 4: "one quarter of", 5: "one fifth of"}
 
 BASE_T = ["{S} has {d} {P}.", "{S} owns {d} {P}.", "{S} has a collection of {d} {P}.",
           "There are {d} {P} in {Npos} bag."]
