@@ -11,12 +11,7 @@ table (default docs/results/block-long.json); benchmarks/study_report.py writes 
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import pumba_study  # noqa: E402
+import pumba_study
 
 if __name__ == "__main__":
     pumba_study.main(description=__doc__, default_plan="benchmarks/plans/block-long.yaml")

@@ -27,8 +27,9 @@ from pathlib import Path
 import yaml
 
 from dlm.errors import DlmError
-from dlm.evaluation.stats import seed_verdict
-from dlm.evaluation.study import Plan, StudyError, StudyTable
+from studies.plans import Plan, StudyError
+from studies.stats import seed_verdict
+from studies.tables import StudyTable
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMAND = "python benchmarks/claims_table.py"
@@ -308,8 +309,7 @@ def study_evidence(ref: dict, results: Path, plans: Path, where: str) -> dict:
 
 def _measure_study():
     """benchmarks/measure_study.py: the pairing and verdict of a measure table (one definition of both)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import measure_study
+    from studies import measures as measure_study
 
     return measure_study
 

@@ -66,10 +66,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gpu_acceptance  # noqa: E402  (the acceptance parts: dlm's commands on the GPU against the CPU)
-import gpu_commands  # noqa: E402  (how a part runs dlm commands)
-import gpu_sglang  # noqa: E402  (an engine serving dlm's export, where one is installed)
+import gpu_acceptance  # (the acceptance parts: dlm's commands on the GPU against the CPU)
+import gpu_commands  # (how a part runs dlm commands)
+import gpu_sglang  # (an engine serving dlm's export, where one is installed)
 
 ROOT = Path(__file__).resolve().parents[1]
 ACCEPTANCE = tuple(gpu_acceptance.CHILDREN)

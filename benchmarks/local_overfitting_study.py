@@ -28,20 +28,18 @@ inside: it has no checkpoint to resume from).
 from __future__ import annotations
 
 import math
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
+import local_overfitting as lo
+from studies import measures as measure_study
+from studies.measures import comparison_lines, header_lines, mean_sd
+from studies.plans import Plan, StudyError, fingerprint, problems_digest, subset
+from studies.tables import StudyTable
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import local_overfitting as lo  # noqa: E402
-import measure_study  # noqa: E402
-from measure_study import comparison_lines, header_lines, mean_sd  # noqa: E402
-
-from dlm.evaluation.study import Plan, StudyError, StudyTable, fingerprint, problems_digest, subset  # noqa: E402
 
 EVAL = "val"
 SETTINGS = ("start", "data", "updates", "batch_size", "insert_at", "val_every", "val_n", "tail", "later", "lr",

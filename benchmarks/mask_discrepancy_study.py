@@ -25,20 +25,18 @@ The table is docs/results/<plan name>.json unless --json says otherwise; rerunni
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
+import pumba_study
+from studies import measures as measure_study
+from studies.measures import GRID, compare, comparison_lines, header_lines, mean_sd, verdict  # noqa: F401
+from studies.plans import Plan, StudyError, fingerprint, problems_digest, subset
+from studies.tables import StudyTable
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import measure_study  # noqa: E402
-import pumba_study  # noqa: E402
-from measure_study import GRID, compare, comparison_lines, header_lines, mean_sd, verdict  # noqa: E402,F401
-
-from dlm.evaluation.study import Plan, StudyError, StudyTable, fingerprint, problems_digest, subset  # noqa: E402
 
 
 def check_plan(plan: Plan) -> None:

@@ -22,10 +22,9 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+from dlm.errors import DlmError
 
-from dlm.errors import DlmError  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def parse_source(text: str) -> tuple[Path, dict[str, str]]:

@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # ---- the plan ---------------------------------------------------------------------------------------------------
 def check_plan(plan) -> None:
     """Every arm has a spec, every evaluation key parses, every comparison names planned arms and evaluations."""
-    from dlm.evaluation.study import StudyError
+    from studies.plans import StudyError
 
     s, where = plan.settings, plan.source
     specs, starts = s.get("arm_specs") or {}, s.get("starts") or {}
@@ -78,7 +78,7 @@ def check_plan(plan) -> None:
 
 def parse_eval(key: str, where: str = "plan") -> tuple[str, float, str]:
     """'u=2/unseen' -> ('u', 2, 'unseen'); 'tau=0.9' -> ('tau', 0.9, 'test')."""
-    from dlm.evaluation.study import StudyError
+    from studies.plans import StudyError
 
     head, _, split = key.partition("/")
     name, _, value = head.partition("=")
@@ -130,8 +130,8 @@ def trained_model(plan, arm: str, seed: int, runs: Path, minutes: float | None =
     """(model directory, training record) of an arm in one seed, training it first unless already done. With
     `minutes`, a training stops after that much wall time (train.max_minutes: it saves a checkpoint, and the next call
     resumes from it) and the result is None: the arm is not trained yet."""
-    from dlm.evaluation.study import StudyError, fingerprint
     from dlm.training.loop import train
+    from studies.plans import StudyError, fingerprint
 
     spec = plan.settings["arm_specs"][arm]
     if "model" in spec:
@@ -225,7 +225,7 @@ def signature(plan, family: str, key: str, problems: str, zero_carry: bool) -> s
 
 def check_arm(plan, table, arm: str, recipes: dict) -> str | None:
     """The arm's recipe digest, refused when its earlier cells came from another (a recipe file edited since)."""
-    from dlm.evaluation.study import StudyError
+    from studies.plans import StudyError
 
     trained = plan.settings["arm_specs"][arm].get("model_of", arm)
     if "recipe" not in plan.settings["arm_specs"][trained]:
@@ -260,7 +260,7 @@ class Donors:
     evaluating the arm again would give (the earlier sessions' copies of run directories, without the files)."""
 
     def __init__(self, plan, table, paths):
-        from dlm.evaluation.study import donor_tables
+        from studies.tables import donor_tables
 
         self.plan, self.table, self.tables = plan, table, donor_tables(plan, paths)
         self._arms: dict = {}
@@ -314,7 +314,7 @@ def pin_starts(table, weights: dict, seeds, restart_seeds=None) -> None:
     """Check the starts' weights against what each seed to run is pinned to (the first run pins them). A seed in
     `restart_seeds` whose starts changed (lost and rebuilt: other bits) is run again from these: `StudyTable.restart`
     retires its cells so far."""
-    from dlm.evaluation.study import StudyError
+    from studies.plans import StudyError
 
     for seed in restart_seeds or ():
         pinned = {n: table.pinned(n, seed) for n in weights}
@@ -340,8 +340,9 @@ def pin_starts(table, weights: dict, seeds, restart_seeds=None) -> None:
 def run(plan_path, json_path=None, runs=None, seeds=None, max_minutes=None, arms=None, evals=None,
         reuse=None, take_only=None, restart_seeds=None) -> dict:
     """Carry out a plan (see the module docstring); returns {'cells': added, 'stopped': bool, 'waiting': [...]}."""
-    from dlm.evaluation.study import Plan, StudyError, StudyTable, fingerprint, problems_digest, subset
     from dlm.modeling.backbone import resolve_model_dir
+    from studies.plans import Plan, StudyError, fingerprint, problems_digest, subset
+    from studies.tables import StudyTable
 
     t0 = time.time()
     plan = Plan.load(plan_path)

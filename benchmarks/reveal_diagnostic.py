@@ -22,11 +22,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
 
 RULES = ("top_u", "top_u_or_threshold")
 
@@ -142,7 +140,7 @@ def main(argv=None) -> None:
     ap.add_argument("--out", help="write the rows (with per-problem outcomes) to this JSON")
     args = ap.parse_args(argv)
     if args.report:
-        from dlm.evaluation.study import write_study_section
+        from studies.sections import write_study_section
 
         if not args.doc:
             ap.error("--report needs --doc")

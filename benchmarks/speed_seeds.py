@@ -31,11 +31,8 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from sampling_speed import describe  # noqa: E402
-
-from dlm.errors import DlmError  # noqa: E402
+from dlm.errors import DlmError
+from sampling_speed import describe
 
 
 class SpeedError(DlmError):
@@ -163,7 +160,7 @@ def main(argv=None) -> None:
     ap.add_argument("--doc", required=True, help="results doc whose `study:begin speed` section is (re)written")
     ap.add_argument("--json", help="the summary as JSON (default: the doc's name with -speed.json)")
     args = ap.parse_args(argv)
-    from dlm.evaluation.study import write_study_section
+    from studies.sections import write_study_section
 
     doc = Path(args.doc)
     out = Path(args.json) if args.json else doc.with_name(doc.stem + "-speed.json")

@@ -67,7 +67,7 @@ def _data_dir(run: Path) -> tuple[Path | None, dict | None]:
 def save(run: str | Path, store: Path = STORE, root: Path = ROOT) -> dict:
     """Copy a finished run's model (and recipe, metrics) into the store under the run's directory name."""
     from dlm.errors import DlmError
-    from dlm.evaluation.study import fingerprint
+    from studies.plans import fingerprint
 
     run = Path(run)
     absolute = run if run.is_absolute() else root / run
@@ -99,7 +99,7 @@ def restore(store: Path = STORE, root: Path = ROOT, names=None) -> list[str]:
     from dlm.config import DataConfig
     from dlm.data.pipeline import load_splits
     from dlm.errors import DlmError
-    from dlm.evaluation.study import fingerprint
+    from studies.plans import fingerprint
 
     manifest = _manifest(store)
     unknown = sorted(set(names or []) - set(manifest))

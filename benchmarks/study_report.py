@@ -52,8 +52,8 @@ def _retired(table) -> list[str]:
 
 def section(table, plan_path: str, json_path: str, out: str, plot: str | None = None) -> str:
     """The generated markdown between the markers."""
-    from dlm.evaluation.stats import format_seed_comparison, seed_verdict
-    from dlm.evaluation.study import StudyError
+    from studies.plans import StudyError
+    from studies.stats import format_seed_comparison, seed_verdict
 
     plan = table.plan
     lines = [f"<!-- written by benchmarks/study_report.py from {json_path}; edit outside the markers -->", ""]
@@ -201,7 +201,9 @@ def main(argv=None) -> None:
     ap.add_argument("--plot", help="PNG of accuracy against NFE (linked from the section)")
     args = ap.parse_args(argv)
     from dlm.errors import DlmError
-    from dlm.evaluation.study import Plan, StudyTable, write_study_section
+    from studies.plans import Plan
+    from studies.sections import write_study_section
+    from studies.tables import StudyTable
 
     try:
         plan = Plan.load(args.plan)

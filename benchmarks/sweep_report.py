@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+from dlm.errors import DlmError
+from studies.sections import write_study_section
 
-from dlm.errors import DlmError  # noqa: E402
-from dlm.evaluation.study import write_study_section  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def report_lines(result: dict, source: str, command: str) -> list[str]:

@@ -207,7 +207,7 @@ def report_blocks(data: dict) -> dict[str, list[str]]:
 
 def report(json_path, doc) -> list[str]:
     """Rewrite every generated block of the doc from its JSON; returns the blocks written."""
-    from dlm.evaluation.study import write_study_section
+    from studies.sections import write_study_section
 
     blocks = report_blocks(json.loads(Path(json_path).read_text()))
     for name, lines in blocks.items():

@@ -31,21 +31,19 @@ driver's `compare`: the difference a − b averaged over seeds per item, a boots
 from __future__ import annotations
 
 import dataclasses
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
+import tess2_tinymath as tt
+from studies import measures as measure_study
+from studies.measures import comparison_lines, header_lines, mean_sd
+from studies.plans import Plan, StudyError, problems_digest
+from studies.tables import StudyTable
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import measure_study  # noqa: E402
-import tess2_tinymath as tt  # noqa: E402
-from measure_study import comparison_lines, header_lines, mean_sd  # noqa: E402
-
-from dlm.evaluation.study import Plan, StudyError, StudyTable, problems_digest  # noqa: E402
 
 KINDS = ("loss", "prefix")
 METRICS = ("perplexity", "mauve", "dist_2", "unigram_entropy", "mean_length")

@@ -38,21 +38,14 @@ from dlm.data.sources import read_jsonl
 from dlm.data.tokenizer import encode_pair
 from dlm.errors import DlmError
 from dlm.evaluation.reward import score_texts
-from dlm.evaluation.stats import format_seed_comparison
-from dlm.evaluation.study import (
-    Plan,
-    StudyError,
-    StudyTable,
-    donor_tables,
-    fingerprint,
-    problems_digest,
-    subset,
-    write_study_section,
-)
 from dlm.evaluation.tasks import evaluate
 from dlm.sampling import SimplexOptions, generate, load_for_inference
 from dlm.sampling.guidance import resolve_reward_model
 from dlm.sampling.options import parse_options
+from studies.plans import Plan, StudyError, fingerprint, problems_digest, subset
+from studies.sections import write_study_section
+from studies.stats import format_seed_comparison
+from studies.tables import StudyTable, donor_tables
 
 
 # ---- the easy study's sections -------------------------------------------------------------------------------------

@@ -30,8 +30,10 @@ from pathlib import Path
 import yaml
 
 from dlm.errors import DlmError
-from dlm.evaluation.study import Plan, StudyTable, problems_digest, write_study_section
 from dlm.evaluation.tasks import trivial_baseline
+from studies.plans import Plan, problems_digest
+from studies.sections import write_study_section
+from studies.tables import StudyTable
 
 
 def _read_jsonl(path: Path) -> list[dict]:

@@ -33,7 +33,7 @@ def seen_key(key: str) -> str | None:
 
 def split_summary(table, arm: str, key: str, n_resamples: int = 10_000) -> dict | None:
     """Mean ± sd over seeds, and a bootstrap CI over problems of the seed-averaged outcome; None without cells."""
-    from dlm.evaluation.stats import mean_sd
+    from studies.stats import mean_sd
 
     cells = table.distinct([table.cell(arm, s, key) for s in table.plan.seeds if table.has(arm, s, key)])
     if not cells:
@@ -56,7 +56,8 @@ def _fmt(s: dict | None, seeds: int) -> str:
 
 
 def rows(plan_path: Path, json_path: Path) -> list[str]:
-    from dlm.evaluation.study import Plan, StudyTable
+    from studies.plans import Plan
+    from studies.tables import StudyTable
 
     plan = Plan.load(plan_path)
     pairs = [(seen_key(k), k) for k in plan.evals if seen_key(k) in plan.evals]
@@ -85,7 +86,8 @@ def main(argv=None) -> None:
     ap.add_argument("--out", required=True, help="results doc whose marked section is (re)written")
     args = ap.parse_args(argv)
     from dlm.errors import DlmError
-    from dlm.evaluation.study import Plan, write_study_section
+    from studies.plans import Plan
+    from studies.sections import write_study_section
 
     lines = [f"<!-- written by benchmarks/unseen_report.py on {datetime.date.today().isoformat()}; edit outside the "
              "markers -->", "",

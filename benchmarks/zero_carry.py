@@ -22,11 +22,11 @@ from pathlib import Path
 def write_zero_carry(source: str | Path, dest: str | Path) -> Path:
     """Save `source`'s model with its carry zeroed to `dest` (refused if `dest` exists or the model has no carry)."""
     from dlm.errors import DlmError
-    from dlm.evaluation.study import fingerprint
     from dlm.modeling.backbone import resolve_model_dir
     from dlm.modeling.build import save_model
     from dlm.modeling.carry import zero_carry_
     from dlm.sampling import load_for_inference
+    from studies.plans import fingerprint
 
     dest = Path(dest)
     if dest.exists():

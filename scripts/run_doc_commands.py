@@ -131,8 +131,7 @@ def with_seed(command: str, seed: int | None) -> str:
 
 
 def parse_check(command: str) -> str | None:
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from check_doc_commands import check, split_chain, target
+    from check_doc_commands import check, split_chain, target  # beside this script: its folder is sys.path[0]
 
     for words in split_chain(command):
         found = target(words)

@@ -9,11 +9,18 @@ The weights are random: generations are gibberish; what runs is every code path 
 from __future__ import annotations
 
 import argparse
-import sys
+import importlib.util
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # tests/foreign.py writes the published layouts (the converter's tests use it too)
+
+
+def _foreign():
+    """tests/foreign.py, loaded from its file: it writes the published layouts (the converter's tests use it too)."""
+    spec = importlib.util.spec_from_file_location("foreign", ROOT / "tests" / "foreign.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def write_mistral(out: Path, seed: int = 0) -> Path:
@@ -24,9 +31,7 @@ def write_mistral(out: Path, seed: int = 0) -> Path:
 
     hf_logging.disable_progress_bar()
 
-    from tests.foreign import _bpe
-
-    bpe = _bpe(300)
+    bpe = _foreign()._bpe(300)
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
     tok.add_special_tokens({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"})
     torch.manual_seed(seed)
@@ -43,7 +48,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="standins", help="folder for the three stand-ins (default: standins)")
     a = p.parse_args()
-    from tests.foreign import write_dream, write_llada
+    foreign = _foreign()
+    write_dream, write_llada = foreign.write_dream, foreign.write_llada
 
     out = Path(a.out)
     made = {

@@ -3,13 +3,11 @@ benchmarks/*.py defaults to a path under docs/ (the committed results are rewrit
 
 import ast
 import shutil
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 OUTPUT_FLAGS = {"--out", "--json", "--md", "--png", "--doc", "--plot"}
 
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
 def test_no_output_flag_of_a_benchmark_defaults_under_docs():

@@ -3,14 +3,12 @@ measured, the ratio to AR is taken against the AR's fastest dtype, and the table
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
 
 from tests.test_dtype import _data, saved  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 
 def test_sampling_speed_rows_ratios_and_outputs(saved, tmp_path):  # noqa: F811

@@ -8,13 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dlm.evaluation.study import Plan, StudyTable
+import claims_table
+from claims_table import ClaimsError, verdict
+from studies.plans import Plan
+from studies.tables import StudyTable
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import claims_table  # noqa: E402
-from claims_table import ClaimsError, verdict  # noqa: E402
 
 PLAN = """name: toy
 arms: [better, slightly, worse, b]

@@ -2,21 +2,19 @@
 loss and the relative loss, and a tiny end-to-end run of benchmarks/local_overfitting.py."""
 
 import math
-import sys
 from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 
+import local_overfitting as lo
 from dlm.data.canvas import collate, make_example
 from dlm.training.trajectories import TrajectoryPool
 
 from .conftest import tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import local_overfitting as lo  # noqa: E402
 
 EOS, PAD, MASK = 1, 2, 3
 
@@ -204,13 +202,14 @@ def test_study_driver_runs_resumes_pairs_by_sequence_and_reports(tmp_path, one_t
     """benchmarks/local_overfitting_study.py end to end on a nano model: cells hold each held-out sequence's tail
     completion loss (their mean is the run's Table-9 validation loss), a rerun adds nothing, seeds differ, the report
     pairs arms by sequence, and a bad plan is one line naming its field."""
-    import local_overfitting_study as los
-    import mask_discrepancy_study as mds
     import yaml
 
+    import local_overfitting_study as los
+    import mask_discrepancy_study as mds
     from dlm.config import load_recipe
-    from dlm.evaluation.study import Plan, StudyError, StudyTable
     from dlm.training import loop
+    from studies.plans import Plan, StudyError
+    from studies.tables import StudyTable
 
     data = tmp_path / "data"
     common = [f"data.dir={data}", "data.level=easy", "data.n_train=48", "data.n_validation=24", "data.n_test=4"]

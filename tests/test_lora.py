@@ -281,10 +281,6 @@ def test_errors_name_the_problem(base, tmp_path):
 
 
 def test_memory_benchmark_counts_each_mode(tmp_path):
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import memory_modes
 
     rows = {r["mode"]: r for r in memory_modes.main(["--preset", "nano", "--out", str(tmp_path / "m.json")])["rows"]}

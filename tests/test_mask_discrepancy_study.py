@@ -3,19 +3,18 @@ keep every problem's D_mask(t), a rerun trains and measures nothing again, and t
 the docs/results verdict rule in the claimed direction."""
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
 
-from dlm.evaluation.study import Plan, StudyError, StudyTable
+from studies.plans import Plan, StudyError
+from studies.tables import StudyTable
 from tests.conftest import tiny_mdm_warm_start
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
 def _plan(tmp_path, warm, data, **extra) -> Path:
@@ -39,7 +38,6 @@ def _plan(tmp_path, warm, data, **extra) -> Path:
 
 def test_mask_discrepancy_study_runs_resumes_and_reports(tmp_path, monkeypatch):
     import mask_discrepancy_study as study
-
     from dlm.training import loop
 
     warm, data = tiny_mdm_warm_start(tmp_path)
@@ -70,7 +68,7 @@ def test_mask_discrepancy_study_runs_resumes_and_reports(tmp_path, monkeypatch):
     assert r["n_seeds"] == 2 and f"{r['difference']:+.3f}, 95 % CI [{r['low']:+.3f}" in text
     assert f"→ **{r['verdict']}**" in text and r["verdict"] in ("partly", "not")  # 2 seeds: never reproduced
     # the pairing: each problem's mean over the ratios both arms have, then averaged over seeds
-    import measure_study
+    from studies import measures as measure_study
 
     a, b = measure_study._paired(table, "pu", "mdm", "u=2", [0, 1])
     assert r["difference"] == pytest.approx(float(np.nanmean(np.nanmean(a - b, axis=0))))

@@ -4,15 +4,13 @@ different measurements, or not sampling_speed results, are one line naming the f
 
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+import speed_seeds
 
-import speed_seeds  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(seed: int, ar_tps: dict, block_tps: dict, *, n: int = 10, acc=(1.0, 0.9)) -> dict:

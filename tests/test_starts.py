@@ -3,17 +3,15 @@ weights and regenerated data, a second restore changes nothing, and a mismatch i
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
 from dlm.errors import DlmError
-from dlm.evaluation.study import fingerprint
+from studies.plans import fingerprint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from dlm.errors import DlmError
-from dlm.evaluation.stats import compare, format_comparison, mcnemar_exact, mean_sd, paired_bootstrap_ci
+from dlm.evaluation.stats import compare, format_comparison, mcnemar_exact, paired_bootstrap_ci
+from studies.stats import mean_sd
 
 
 def arms(only_a: int, only_b: int, both: int = 0, neither: int = 0, seed: int = 0) -> tuple[list, list]:

@@ -5,8 +5,10 @@ import json
 import numpy as np
 import pytest
 
-from dlm.evaluation.stats import PairingError, compare_seeds, format_seed_comparison, mcnemar_exact
-from dlm.evaluation.study import Plan, StudyError, StudyTable, fingerprint, problems_digest
+from dlm.evaluation.stats import PairingError, mcnemar_exact
+from studies.plans import Plan, StudyError, fingerprint, problems_digest
+from studies.stats import compare_seeds, format_seed_comparison
+from studies.tables import StudyTable
 
 PLAN = """name: toy
 arms: [mdm, w2]
@@ -178,7 +180,7 @@ def test_compare_seeds_matches_a_slow_reference():
 def test_equal_totals_are_exactly_no_difference_and_verdict_not():
     """Two arms that solve as many problems in every seed, on different problems, differ by exactly 0: averaging
     per-problem differences in floating point left ~3e-18, which the verdict rule counted as "a above b" (partly)."""
-    from dlm.evaluation.stats import seed_verdict
+    from studies.stats import seed_verdict
 
     rng = np.random.default_rng(0)
     a = rng.random((3, 300)) < 0.25
@@ -201,7 +203,7 @@ def test_sign_flip_p_reduces_to_mcnemar_for_one_seed_repeated():
 
 
 def test_compare_values_is_compare_seeds_on_outcomes_and_skips_missing_values():
-    from dlm.evaluation.stats import compare_values
+    from studies.stats import compare_values
 
     rng = np.random.default_rng(5)
     a = rng.random((3, 150)) < 0.6
@@ -253,7 +255,7 @@ def test_fingerprint_and_problem_digest(tmp_path):
 
 def test_study_section_replaces_only_the_marked_part(tmp_path):
     from dlm.errors import DlmError
-    from dlm.evaluation.study import STUDY_BEGIN, STUDY_END, write_study_section
+    from studies.sections import STUDY_BEGIN, STUDY_END, write_study_section
 
     doc = tmp_path / "doc.md"
     doc.write_text(f"# Title\n\nreading before\n\n{STUDY_BEGIN}\nold numbers\n{STUDY_END}\n\nreading after\n")
@@ -285,14 +287,10 @@ def test_pair_outcomes_pairs_a_samples_file_with_a_table_cell(tmp_path):
     """benchmarks/pair_outcomes.py: outcomes picked by filters from a samples JSONL and from a table's cell are
     compared problem by problem exactly as dlm.evaluation.stats.compare does; unequal problem counts, a filter that
     picks nothing and one that picks two entries are one-line errors."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from pair_outcomes import pair
 
     from dlm.errors import DlmError
     from dlm.evaluation.stats import compare
+    from pair_outcomes import pair
 
     a = [1, 1, 0, 1, 0, 1, 1, 0]
     b = [0, 1, 0, 0, 0, 1, 0, 0]

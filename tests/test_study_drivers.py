@@ -4,19 +4,19 @@ turns a table into a results section."""
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
-from dlm.evaluation.study import STUDY_BEGIN, STUDY_END, Plan, StudyError, StudyTable
+from studies.plans import Plan, StudyError
+from studies.sections import STUDY_BEGIN, STUDY_END
+from studies.tables import StudyTable
 from tests.conftest import perturb, tiny_mdm_warm_start, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
 PLANS = [ROOT / "benchmarks" / "plans" / f"{name}.yaml"  # the plans this driver runs
          for name in ("pumba-table2", "block-long", "pumba-bridges", "pumba-ablations", "pumba-reinforce",
                       "pumba-table2-w8", "pumba-bridges-kept", "mdm-tinymath", "block-long-matched")]
@@ -72,7 +72,6 @@ def test_reinforce_plan_shares_its_reference_arms_with_pumba_bridges(tmp_path):
     """pumba-reinforce's w2 and nobridge resolve to pumba-bridges' recipes (only the run name differs), and its
     REINFORCE arms are that plan's W=2 recipe with the sampled estimator: what its doc says of them holds."""
     import pumba_study
-
     from dlm.config import dump_recipe
 
     new, old = (Plan.load(ROOT / "benchmarks" / "plans" / f"{n}.yaml") for n in ("pumba-reinforce", "pumba-bridges"))
@@ -94,7 +93,6 @@ def test_bridges_kept_plan_reruns_pumba_bridges_arms(tmp_path):
     the same Table 1 comparisons on the kept warm start; its w2 and nobridge are pumba-reinforce's training runs, so
     --reuse of that table can take them over."""
     import pumba_study
-
     from dlm.config import dump_recipe
 
     kept, old, reinforce = (Plan.load(ROOT / "benchmarks" / "plans" / f"{n}.yaml")
@@ -159,7 +157,6 @@ def _smoke_plan(tmp_path, warm, data, w1_updates=2):
 
 def test_pumba_study_smoke_run_resumes_and_refuses_a_changed_plan(tmp_path, monkeypatch, capsys):
     import pumba_study
-
     from dlm.training import loop
 
     warm, data = tiny_mdm_warm_start(tmp_path)
@@ -295,9 +292,9 @@ def test_study_report_writes_the_marked_section_from_a_synthetic_table(tmp_path)
     import statistics
 
     import numpy as np
-    import study_report
 
-    from dlm.evaluation.stats import compare_seeds, format_seed_comparison, seed_verdict
+    import study_report
+    from studies.stats import compare_seeds, format_seed_comparison, seed_verdict
 
     plan_path = tmp_path / "synthetic.yaml"
     plan_path.write_text(REPORT_PLAN)
@@ -453,12 +450,11 @@ def test_zero_carry_copy_is_the_model_with_its_carry_zeroed(tmp_path, tiny_token
     """benchmarks/zero_carry.py: the saved copy reloads with a zero carry LayerNorm and every other weight bitwise
     the source's, so it computes what the source computes with its carry zeroed in memory; an existing destination
     and a model without a carry are refused in one line."""
-    from zero_carry import write_zero_carry
-
     from dlm.errors import DlmError
     from dlm.modeling.build import save_model
     from dlm.modeling.carry import CARRY_MODULE, zero_carry_
     from dlm.sampling import load_for_inference
+    from zero_carry import write_zero_carry
 
     vocab, mask = len(tiny_tokenizer), tiny_tokenizer.mask_token_id
     src = perturb(tiny_model(vocab, attention="bidirectional", family="masked", carry=True, mask_token_id=mask))

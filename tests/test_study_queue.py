@@ -2,14 +2,13 @@
 
 import datetime
 import shlex
-import sys
 from pathlib import Path
 
 import pytest
 
+import study_queue as q
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import study_queue as q  # noqa: E402  (not "queue": benchmarks/ on sys.path would shadow the stdlib module)
 
 
 def _clock(times):

@@ -2,17 +2,14 @@
 kept; a file that is not such a table is one line naming it."""
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
+import sweep_report
+from dlm.evaluation.sweeps import paired_rows
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import sweep_report  # noqa: E402
-
-from dlm.evaluation.sweeps import paired_rows  # noqa: E402
 
 
 def test_sweep_table_and_paired_rows_land_between_the_markers(tmp_path):

@@ -5,14 +5,12 @@ rerun that trains and measures nothing, paired comparisons and the report."""
 import json
 import math
 import random
-import sys
 from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 WORDS = ("thou art the king of rome and I shall speak no more of love or war to thee this night my lord "
          "good sir what say you now").split()
@@ -65,9 +63,9 @@ def test_shakespeare_study_measures_pairs_resumes_and_reports(tmp_path):
     import mask_discrepancy_study as mds
     import tess2_shakespeare_study as ss
     import tess2_tinymath
-
-    from dlm.evaluation.study import Plan, StudyError, StudyTable
     from dlm.sampling import load_for_inference
+    from studies.plans import Plan, StudyError
+    from studies.tables import StudyTable
 
     plan_path, table_path = _plan(tmp_path), tmp_path / "table.json"
     trained = []

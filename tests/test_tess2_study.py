@@ -3,13 +3,11 @@ is pinned, cells keep per-problem outcomes, a rerun trains and evaluates nothing
 appears later fills only its own cells, and the docs' numbers are regenerated between their markers."""
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 TINY = ["model.preset=tiny", "model.max_length=160", "train.batch_size=4", "train.steps=2", "train.log_every=1",
         "train.eval_every=null", "train.checkpoint_every=null", "optim.warmup_steps=0", "eval.test_n=2",
@@ -125,8 +123,8 @@ def test_cells_written_before_weights_were_recorded_are_backfilled_from_the_pins
     cell has, from the table's own pins; the summary then counts the greedy AR once, and cells that share weights and
     decoding but disagree problem by problem are refused (the signature would be missing something)."""
     import tess2_tinymath
-
-    from dlm.evaluation.study import Plan, StudyError, StudyTable
+    from studies.plans import Plan, StudyError
+    from studies.tables import StudyTable
 
     data = json.loads(study["table"].read_text())
     new = {(c["arm"], c["seed"], c["eval"]): dict(c) for c in data["cells"]}
@@ -306,11 +304,11 @@ def test_ablation_plan_trains_each_variant_as_specified_and_samples_it(tmp_path)
     """benchmarks/plans/tess2-ablations.yaml on tiny models, one seed: every ablated pipeline (UL2 -> prefix-only,
     no label shift, causal attention, no self-conditioning) trains in both stages, its saved model carries the
     ablated choice, and the simplex sampler runs on it."""
-    import tess2_tinymath
     import yaml
 
-    from dlm.evaluation.study import Plan
+    import tess2_tinymath
     from dlm.sampling import load_for_inference
+    from studies.plans import Plan
 
     root = Path(__file__).resolve().parents[1]
     plan = yaml.safe_load((root / "benchmarks" / "plans" / "tess2-ablations.yaml").read_text())
@@ -347,11 +345,11 @@ def test_ablation_plan_trains_each_variant_as_specified_and_samples_it(tmp_path)
 def test_adapt_plan_trains_the_scratch_arm_without_the_ar_weights(tmp_path):
     """benchmarks/plans/tess2-adapt.yaml on tiny models, one seed: the adapted arm starts from the AR parent's
     weights, the scratch arm from random ones with the parent's tokenizer and architecture, and both are sampled."""
-    import tess2_tinymath
     import yaml
 
-    from dlm.evaluation.study import Plan
+    import tess2_tinymath
     from dlm.sampling import load_for_inference
+    from studies.plans import Plan
 
     root = Path(__file__).resolve().parents[1]
     source = root / "benchmarks" / "plans" / "tess2-adapt.yaml"
@@ -420,8 +418,8 @@ def test_reuse_takes_over_another_plans_cells_only_after_a_witness_seed(tmp_path
     """--reuse: a donor arm with the same training chain under other names stands for ours, but only once one seed
     trained here gave the donor's very weights; then that seed's cells are copied (models pinned, nothing trained)."""
     import tess2_tinymath
-
-    from dlm.evaluation.study import Plan, StudyError, StudyTable
+    from studies.plans import Plan, StudyError
+    from studies.tables import StudyTable
 
     donor, donor_table = _reuse_plan(tmp_path, "donor", "full", "full"), tmp_path / "donor.json"
     tess2_tinymath.main(["study", "--plan", str(donor), "--json", str(donor_table)])

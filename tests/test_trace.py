@@ -172,12 +172,7 @@ def test_reveal_diagnostic_reads_each_blocks_first_two_steps(tiny_tokenizer):
     """benchmarks/reveal_diagnostic.py on real traces of a block-causal model (blocks of 4, u=2): top-u + tau never
     defers a confident position; fixed top-u with tau=0 (every proposal counts as confident) defers exactly the
     block's other eligible positions at its first step, and its hard positions are none; every block is counted."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from reveal_diagnostic import block_steps, read_blocks
-
     from tests.conftest import perturb
 
     tok = tiny_tokenizer

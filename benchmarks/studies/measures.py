@@ -23,7 +23,8 @@ from pathlib import Path
 import numpy as np
 
 from dlm.errors import DlmError
-from dlm.evaluation.study import Plan, StudyTable
+from studies.plans import Plan
+from studies.tables import StudyTable
 
 GRID = tuple(round(0.1 * i, 1) for i in range(1, 10))  # D_mask's masking ratios (dlm.evaluation.mask_discrepancy)
 
@@ -58,7 +59,7 @@ def _paired(table, a, b, key, seeds) -> tuple[np.ndarray, np.ndarray]:
 
 def verdict(result: dict, expect: str) -> str:
     """The docs/results rule for "a lower (or higher) than b" on a compare_values result of a − b."""
-    from dlm.evaluation.stats import VERDICT_SEEDS
+    from studies.stats import VERDICT_SEEDS
 
     sign = -1 if expect == "lower" else 1
     d, lo, hi = sign * result["difference"], sign * result["low"], sign * result["high"]
@@ -69,7 +70,7 @@ def verdict(result: dict, expect: str) -> str:
 
 def compare(table: StudyTable, c: dict) -> dict | None:
     """The plan comparison `c` over the seeds both arms have, or None before any."""
-    from dlm.evaluation.stats import compare_values
+    from studies.stats import compare_values
 
     seeds = table.complete_seeds([c["a"], c["b"]], c["eval"])
     if not seeds:
@@ -158,7 +159,7 @@ def main(argv, *, description: str, driver: str, title: str, check_plan, run, re
             arms = args.arms.split(",") if args.arms else None
             run(args.plan, args.json, *([args.runs] if runs else []), seeds, arms, args.max_minutes)
             return
-        from dlm.evaluation.study import write_study_section
+        from studies.sections import write_study_section
 
         if not args.doc:
             raise DlmError("report: pass --doc DOC.md")

@@ -1,4 +1,4 @@
-"""Pre-registered studies (issue 17). A study's arms, seeds, evaluations and settings are written in a plan file
+"""Locked study tables (issue 17). A study's arms, seeds, evaluations and settings are written in a plan file
 before anything runs; its results are cells (arm, seed, evaluation) that keep every problem's outcome, so any two arms
 can be compared paired, problem by problem. The table refuses a cell from a changed plan or a different warm start,
 so no arm can be extended or re-run on its own because it looked best. It is rewritten atomically after every cell,
@@ -18,105 +18,13 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import os
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from dlm.errors import DlmError
-from dlm.evaluation.stats import compare_seeds, mean_sd
-
-
-class StudyError(DlmError):
-    """A plan that cannot be read, or a cell that does not belong to the table's plan."""
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What a study runs, fixed before its first cell: arms (in report order), seeds, evaluation keys and every other
-    setting. `digest` identifies it; a table records the digest of the plan its cells came from."""
-
-    name: str
-    arms: tuple[str, ...]
-    seeds: tuple[int, ...]
-    evals: tuple[str, ...]
-    settings: Mapping = field(default_factory=dict)
-    source: str = "<plan>"
-
-    def __post_init__(self):
-        for name in ("arms", "seeds", "evals"):
-            values = getattr(self, name)
-            if not values:
-                raise StudyError(f"{self.source}: field '{name}' is empty; list at least one")
-            if len(set(values)) != len(values):
-                raise StudyError(f"{self.source}: field '{name}' lists a value twice: {list(values)}")
-
-    @classmethod
-    def load(cls, path: str | Path) -> Plan:
-        import yaml
-
-        path = Path(path)
-        try:
-            raw = yaml.safe_load(path.read_text())
-        except FileNotFoundError:
-            raise StudyError(f"{path}: plan file not found") from None
-        except yaml.YAMLError as e:
-            raise StudyError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
-        if not isinstance(raw, dict):
-            raise StudyError(f"{path}: a plan is a mapping with name, arms, seeds, evals and settings")
-        unknown = set(raw) - {"name", "arms", "seeds", "evals", "settings"}
-        if unknown:
-            raise StudyError(f"{path}: unknown field(s) {sorted(unknown)}; a plan has name, arms, seeds, evals, "
-                             "settings")
-        for name, kind in (("name", str), ("arms", list), ("seeds", list), ("evals", list)):
-            if not isinstance(raw.get(name), kind):
-                raise StudyError(f"{path}: field '{name}' must be a {kind.__name__}, got {raw.get(name)!r}")
-        if not all(isinstance(s, int) and not isinstance(s, bool) for s in raw["seeds"]):
-            raise StudyError(f"{path}: field 'seeds' must list integers, got {raw['seeds']!r}")
-        settings = raw.get("settings") or {}
-        if not isinstance(settings, dict):
-            raise StudyError(f"{path}: field 'settings' must be a mapping, got {settings!r}")
-        return cls(raw["name"], tuple(str(a) for a in raw["arms"]), tuple(raw["seeds"]),
-                   tuple(str(e) for e in raw["evals"]), settings, str(path))
-
-    def as_dict(self) -> dict:
-        return {"name": self.name, "arms": list(self.arms), "seeds": list(self.seeds), "evals": list(self.evals),
-                "settings": json.loads(json.dumps(dict(self.settings), sort_keys=True))}
-
-    def planned_arms(self, key: str) -> list[str]:
-        """The arms evaluated on `key`: all, unless settings.eval_arms ({eval: [arms]}) names a subset."""
-        return list((self.settings.get("eval_arms") or {}).get(key, self.arms))
-
-    @property
-    def digest(self) -> str:
-        return hashlib.sha256(json.dumps(self.as_dict(), sort_keys=True).encode()).hexdigest()[:16]
-
-
-def fingerprint(model_dir: str | Path) -> str:
-    """sha256 (first 16 hex digits) over a saved model's weight files, in name order: equal fingerprints mean the
-    same weights, so a warm start rebuilt in a later session can be checked against the one the cells came from."""
-    model_dir = Path(model_dir)
-    files = sorted(p for p in model_dir.iterdir() if p.suffix in (".safetensors", ".bin")) if model_dir.is_dir() else []
-    if not files:
-        raise StudyError(f"{model_dir}: no .safetensors or .bin weight files to fingerprint")
-    h = hashlib.sha256()
-    for p in files:
-        h.update(p.name.encode())
-        with p.open("rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-    return h.hexdigest()[:16]
-
-
-def problems_digest(records) -> str:
-    """Identifies the problem list a cell was scored on (prompts and answers, in order): cells compare only on equal
-    digests."""
-    h = hashlib.sha256()
-    for r in records:
-        h.update(json.dumps([r["prompt"], r.get("answer")], sort_keys=True, default=str).encode())
-    return h.hexdigest()[:16]
+from studies.plans import Plan, StudyError
+from studies.stats import compare_seeds, mean_sd
 
 
 class StudyTable:
@@ -376,44 +284,3 @@ def donor_tables(plan: Plan, paths) -> list[tuple[Plan, StudyTable]]:
             raise StudyError(f"{path}: --reuse takes other plans' tables, not this plan's own")
         out.append((donor, StudyTable(path, donor)))
     return out
-
-
-def subset(flag: str, given, planned) -> list:
-    """A driver's --seeds / --arms / --evals: the plan's items in the given order, or all of them (None). It only
-    orders or limits what one run does, never what a cell means; an item the plan does not list is refused."""
-    chosen = list(planned) if given is None else list(given)
-    stray = [x for x in chosen if x not in planned]
-    if stray:
-        raise StudyError(f"--{flag} {stray} not in the plan's {flag} {list(planned)}; --{flag} only orders or limits")
-    return chosen
-
-
-STUDY_BEGIN, STUDY_END = "<!-- study:begin -->", "<!-- study:end -->"
-
-
-def study_markers(name: str | None = None) -> tuple[str, str]:
-    """The begin/end comments around a doc's generated numbers; a doc with several generated blocks names them
-    (`<!-- study:begin steps -->` … `<!-- study:end steps -->`)."""
-    return (f"<!-- study:begin {name} -->", f"<!-- study:end {name} -->") if name else (STUDY_BEGIN, STUDY_END)
-
-
-def write_study_section(doc: str | Path, lines: list[str], title: str | None = None, name: str | None = None) -> None:
-    """Write `lines` between the doc's `<!-- study:begin -->` and `<!-- study:end -->` markers (those of block `name`,
-    see `study_markers`), keeping everything outside them (the hand-written reading) as written. A doc without the
-    markers is a one-line error naming it, unless `title` is given: then the section is appended under
-    "## Numbers (3-seed study)", and a missing doc is created as "# title"."""
-    begin, end = study_markers(name)
-    doc = Path(doc)
-    text = doc.read_text() if doc.is_file() else ""
-    section = begin + "\n" + "\n".join(lines).strip("\n") + "\n" + end
-    if begin in text and end in text and text.index(begin) < text.index(end):
-        head, rest = text.split(begin, 1)
-        text = head + section + rest.split(end, 1)[1]
-    elif title is None:
-        raise DlmError(f"{doc}: no '{begin}' ... '{end}' markers; add them where the numbers go")
-    elif text:
-        text = text.rstrip("\n") + "\n\n## Numbers (3-seed study)\n\n" + section + "\n"
-    else:
-        doc.parent.mkdir(parents=True, exist_ok=True)
-        text = f"# {title}\n\n## Numbers\n\n{section}\n"
-    doc.write_text(text)
