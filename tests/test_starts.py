@@ -1,4 +1,4 @@
-"""Saved study starts (benchmarks/starts.py): a run saved into the store comes back at its path with the same
+"""Saved study starts (benchmarks/studies/starts.py): a run saved into the store comes back at its path with the same
 weights and regenerated data, a second restore changes nothing, and a mismatch is one clear error."""
 
 import json
@@ -30,7 +30,7 @@ def trained(tmp_path_factory):
 
 
 def test_save_then_restore_brings_back_the_same_weights_and_data(trained):
-    import starts
+    from studies import starts
 
     root, run = trained
     store = root / "store"
@@ -65,9 +65,9 @@ def test_save_then_restore_brings_back_the_same_weights_and_data(trained):
 def test_committed_starts_match_their_manifest():
     """Every start whose weights are on this machine under benchmarks/starts/ has the weights its manifest (and the
     tables) name."""
-    import starts
+    from studies import starts
 
-    manifest = starts._manifest(starts.STORE)
+    manifest = starts.manifest(starts.STORE)
     assert manifest, "benchmarks/starts/starts.json lists no start"
     present = [n for n in manifest if (starts.STORE / n / "model" / "model.safetensors").is_file()]
     if not present:  # weights are not in git: only a machine that built or copied them has them

@@ -1,4 +1,5 @@
-"""benchmarks/study_study_queue.py: lanes of study commands run in order, each given the minutes left until a time."""
+"""The study queue (benchmarks/study_queue.py, studies.queue): lanes of study commands run in order, each
+given the minutes left until a time."""
 
 import datetime
 import shlex
@@ -6,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-import study_queue as q
+import study_queue
+from studies import queue as q
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -63,10 +65,10 @@ def test_bad_queue_entries_are_one_line_naming_the_entry(tmp_path, capsys):
                           ("lanes:\n  A:\n    - {run: block_study.py, min_minutes: -1}\n", "min_minutes must be"),
                           ("lanes:\n  B: []\n", "no lane 'A'")):
         queue.write_text(body)
-        assert q.main(["A", "--queue", str(queue), "--until", "06:00"]) == 2
+        assert study_queue.main(["A", "--queue", str(queue), "--until", "06:00"]) == 2
         err = capsys.readouterr().err
         assert err.startswith("study_queue.py: ") and message in err and err.count("\n") == 1
-    assert q.main(["A", "--queue", str(ROOT / "benchmarks" / "study_queue.yaml")]) == 2  # --until is required
+    assert study_queue.main(["A", "--queue", str(ROOT / "benchmarks" / "study_queue.yaml")]) == 2  # --until is required
     assert "pass --until" in capsys.readouterr().err
 
 
