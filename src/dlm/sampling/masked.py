@@ -66,6 +66,28 @@ def generate(
     ("prefix" or "dual", full-canvas models with a `block_size`) selects Fast-dLLM's approximate caches. `trace`: a
     list to append each step to as it happens (a live view, e.g. `dlm serve`); implies recording."""
     rule = make_rule(policy, reveal_count, confidence_threshold)
+    block_causal, block_size = _check_layout(model, block_size, mask_id, eos_id, cache)
+    if block_causal:
+        gen_length = num_blocks(gen_length, block_size) * block_size
+    canvas, attention, positions, P = _canvas(model, prompts, gen_length, pad_id, mask_id)
+    if trace is None:
+        trace = [] if return_trace else None
+    step = partial(reveal_step, rule=rule, mask_id=mask_id, temperature=temperature, generator=generator)
+    if (block_causal and kv_cache) or cache is not None:
+        run = block_cache.decode_block_causal if block_causal else partial(block_cache.decode_fast_dllm, mode=cache)
+        nfe = run(model, canvas, attention, positions, P, block_size, step, eos_id, mask_id, trace)
+    else:
+        nfe = decode(model, canvas, attention, positions, P, block_size, step, eos_id, mask_id, trace,
+                     block_causal, reset_carry_per_block)
+    region = canvas[:, P:]
+    cut = first_index(region == eos_id).tolist()
+    tokens = [row[:n] for row, n in zip(region.tolist(), cut)]
+    return MaskedGeneration(tokens, nfe.tolist(), trace)
+
+
+def _check_layout(model, block_size: int | None, mask_id: int, eos_id: int, cache: str | None):
+    """(block_causal, block_size): whether the model decodes block by block, with the block size it uses; refuses
+    options that do not fit the model (a missing or bad block size, mask = EOS, a Fast-dLLM cache it cannot use)."""
     spec = getattr(model, "spec", None)
     block_causal = getattr(spec, "attention", None) == "block_causal"
     uses_carry = bool(getattr(spec, "carry", False))
@@ -84,27 +106,18 @@ def generate(
         if block_causal or block_size is None or uses_carry:
             raise OptionsError("cache='prefix'/'dual' (Fast-dLLM) is for full-canvas models without a carry and needs "
                                "a block_size; block-causal models use kv_cache instead")
-    if block_causal:
-        gen_length = num_blocks(gen_length, block_size) * block_size
+    return block_causal, block_size
+
+
+def _canvas(model, prompts, gen_length: int, pad_id: int, mask_id: int):
+    """(canvas, attention, positions, P): left-padded prompts (P positions) followed by `gen_length` masks."""
     device = next(model.parameters()).device
     ids, attention = (t.to(device) for t in left_pad(prompts, pad_id))
     B, P = ids.shape
     canvas = torch.cat([ids, torch.full((B, gen_length), mask_id, dtype=torch.long, device=device)], dim=1)
     attention = torch.cat([attention, torch.ones(B, gen_length, dtype=attention.dtype, device=device)], dim=1)
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
-    if trace is None:
-        trace = [] if return_trace else None
-    step = partial(reveal_step, rule=rule, mask_id=mask_id, temperature=temperature, generator=generator)
-    if (block_causal and kv_cache) or cache is not None:
-        run = block_cache.decode_block_causal if block_causal else partial(block_cache.decode_fast_dllm, mode=cache)
-        nfe = run(model, canvas, attention, positions, P, block_size, step, eos_id, mask_id, trace)
-    else:
-        nfe = decode(model, canvas, attention, positions, P, block_size, step, eos_id, mask_id, trace,
-                     block_causal, reset_carry_per_block)
-    region = canvas[:, P:]
-    cut = first_index(region == eos_id).tolist()
-    tokens = [row[:n] for row, n in zip(region.tolist(), cut)]
-    return MaskedGeneration(tokens, nfe.tolist(), trace)
+    return canvas, attention, positions, P
 
 
 def decode(model, canvas, attention, positions, P, block_size, step, eos_id, mask_id, trace, block_causal,
