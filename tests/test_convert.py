@@ -21,7 +21,8 @@ from dlm.modeling import convert as convert_module
 from dlm.modeling import shards as shards_module
 from dlm.modeling.backbone import load_backbone
 from dlm.modeling.build import build, load_model
-from dlm.modeling.convert import convert, foreign_spec, load_foreign, parse_size
+from dlm.modeling.convert import convert, load_foreign, parse_size
+from dlm.modeling.resolve import resolve_model
 from dlm.sampling import MaskedOptions, generate, load_for_inference
 from tests.foreign import REMOTE, write_dream, write_llada
 
@@ -120,8 +121,8 @@ def _batch(vocab: int):
 def test_llada_logits_equal_the_reference(sources, converted, name, route):
     src = sources[name]
     cfg = json.loads((src / "config.json").read_text())
-    # in memory: what load_model(src) builds once build.load_model asks foreign_spec (see the report)
-    model = build(foreign_spec(src), src).eval() if route == "in_memory" else load_model(converted[name])
+    # in memory: the spec the release implies (dlm.modeling.resolve), as load_model(src) builds it
+    model = build(resolve_model(src).spec, src).eval() if route == "in_memory" else load_model(converted[name])
     assert model.spec.family == "masked" and model.spec.attention == "bidirectional" and not model.spec.label_shift
     assert model.spec.mask_token_id == cfg["mask_token_id"]
     assert not model.backbone.config.is_causal and type(model.backbone).__name__ == "LlamaForCausalLM"
@@ -137,7 +138,7 @@ def test_llada_logits_equal_the_reference(sources, converted, name, route):
 def test_dream_raw_outputs_equal_the_reference_and_dlm_reads_them_shifted(sources, converted, route):
     src = sources["dream"]
     cfg = json.loads((src / "config.json").read_text())
-    model = build(foreign_spec(src), src).eval() if route == "in_memory" else load_model(converted["dream"])
+    model = build(resolve_model(src).spec, src).eval() if route == "in_memory" else load_model(converted["dream"])
     assert model.spec.label_shift and model.spec.mask_token_id == cfg["mask_token_id"]
     assert type(model.backbone).__name__ == "Qwen2ForCausalLM" and not model.backbone.config.is_causal
     ids, keep = _batch(cfg["vocab_size"])
@@ -304,7 +305,7 @@ def test_one_update_then_reload_and_decode_with_every_policy(sources, converted,
     log = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(log) == 1 and math.isfinite(log[0]["loss"])
     model, tok = load_for_inference(run)  # the run's own model/ and tokenizer
-    source_spec = foreign_spec(sources["dream" if shift else "llada"])
+    source_spec = resolve_model(sources["dream" if shift else "llada"]).spec
     assert tok.mask_token_id == model.spec.mask_token_id == source_spec.mask_token_id
     assert model.spec.family == "masked" and model.spec.carry == (objective == "pu")
     assert model.spec.attention == ("block_causal" if objective == "block" else "bidirectional")
@@ -414,7 +415,7 @@ def test_cli_prints_what_it_wrote(sources, tmp_path, capsys):
 @pytest.mark.parametrize("name", ["llada", "dream"])
 def test_load_model_reads_a_foreign_directory_as_a_masked_model(sources, name):
     model = load_model(sources[name])
-    assert model.spec == foreign_spec(sources[name])
+    assert model.spec == resolve_model(sources[name]).spec
     assert model.spec.family == "masked" and not model.backbone.config.is_causal
 
 

@@ -17,8 +17,8 @@ from dlm.errors import DlmError
 from dlm.modeling import export as export_module
 from dlm.modeling.build import build, load_model, save_model
 from dlm.modeling.carry import CARRY_MODULE
-from dlm.modeling.convert import read_config
 from dlm.modeling.formats import _LLADA_NEEDS
+from dlm.modeling.resolve import read_config
 from dlm.modeling.spec import LoraSpec, ModelSpec
 from tests.conftest import perturb, tiny_model
 from tests.foreign import write_llada

@@ -10,8 +10,8 @@ from pathlib import Path
 from dlm.data.sources import DataError, read_jsonl
 from dlm.errors import DlmError
 from dlm.evaluation.tasks import evaluate, trivial_baseline
-from dlm.modeling.backbone import resolve_model_dir
 from dlm.modeling.device import placement
+from dlm.modeling.resolve import resolve_model_dir
 from dlm.sampling import load_for_inference, resolve_options
 
 TASKS = ("tinymath", "humaneval")  # dlm's own tasks; any lm-eval task runs as `lm-eval:NAME` (dlm.evaluation.lm_eval)

@@ -7,7 +7,6 @@ in plain transformers with the same attention.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
@@ -15,9 +14,10 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
-from dlm.errors import ModelNotFoundError
 from dlm.modeling.carry import CARRY_MODULE, carry_input
-from dlm.modeling.convert import format_of, load_foreign
+from dlm.modeling.convert import load_foreign
+from dlm.modeling.resolve import ResolvedModel, resolve_model
+from dlm.modeling.resolve import resolve_model_dir as resolve_model_dir  # re-exported: its home before issue 47
 from dlm.modeling.spec import Attention, ModelSpec
 
 hf_logging.disable_progress_bar()
@@ -59,17 +59,17 @@ def build_backbone(
     return AutoModelForCausalLM.from_config(config)
 
 
-def load_backbone(path: str | Path, attention: Attention | None = None,
+def load_backbone(source: str | Path | ResolvedModel, attention: Attention | None = None,
                   dtype: torch.dtype | None = None) -> PreTrainedModel:
-    """Any local HF causal-LM checkpoint, or a LLaDA / Dream checkpoint read without its remote code (renamed in
-    memory, `dlm.modeling.convert`); `attention` overrides the checkpoint's own mode."""
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise ModelNotFoundError(f"{path}: not a Hugging Face checkpoint (no config.json)")
-    if format_of(path) is not None:
-        model = load_foreign(path, dtype=dtype or torch.float32)
+    """Any local HF causal-LM checkpoint (built from the config.json already resolved), or a LLaDA / Dream release
+    read without its remote code (renamed in memory, `dlm.modeling.convert`); `attention` overrides the checkpoint's
+    own mode."""
+    resolved = resolve_model(source)
+    if resolved.release is not None:
+        model = load_foreign(resolved, dtype=dtype or torch.float32)
     else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(resolved.path, config=resolved.hf_config(),
+                                                     dtype=dtype or torch.float32)
     if attention is not None:
         set_attention(model, attention)
     return model
@@ -189,13 +189,3 @@ class DiffusionLM(nn.Module):
         self.backbone.save_pretrained(directory, state_dict=state_dict)
         self.spec.save(directory)
 
-
-def resolve_model_dir(path: str | Path) -> Path:
-    """A model directory from a model dir, or a run dir (its `model/`), or a checkpoint dir (its `model/`)."""
-    path = Path(os.path.expanduser(str(path)))
-    for candidate in (path, path / "model"):
-        if (candidate / "config.json").is_file():
-            return candidate
-    if not path.exists():
-        raise ModelNotFoundError(f"{path}: no such file or directory")
-    raise ModelNotFoundError(f"{path}: no model here (expected config.json in it or in {path / 'model'})")

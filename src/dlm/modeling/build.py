@@ -28,9 +28,9 @@ from transformers.utils import logging as hf_logging
 
 from dlm.errors import DlmError, ModelNotFoundError
 from dlm.modeling import lora
-from dlm.modeling.backbone import DiffusionLM, build_backbone, load_backbone, resolve_model_dir
+from dlm.modeling.backbone import DiffusionLM, build_backbone, load_backbone
 from dlm.modeling.carry import CARRY_MODULE, carry_norm_for
-from dlm.modeling.convert import foreign_spec
+from dlm.modeling.resolve import ResolvedModel, resolve_model
 from dlm.modeling.reward import REWARD_HEAD, reward_head_for
 from dlm.modeling.simplex import TIMESTEP_EMBEDDING, timestep_embedding_for
 from dlm.modeling.spec import LoraSpec, ModelSpec
@@ -54,12 +54,14 @@ EXTRAS: tuple[Extra, ...] = (
 )
 
 
-def build(spec: ModelSpec, source: str | Path | None = None, *, arch: str = "llama", preset: str = "small",
+def build(spec: ModelSpec, source: str | Path | ResolvedModel | None = None, *, arch: str = "llama",
+          preset: str = "small",
           vocab_size: int | None = None, max_positions: int = 512, dtype: torch.dtype | None = None,
           **config_overrides) -> DiffusionLM:
     """The dlm model `spec` describes: the backbone of `source` (a dlm model, run or checkpoint directory, or any
     local HF causal LM) or, without a source, a fresh `arch`/`preset` backbone with `vocab_size` rows; then every
-    extra the spec names, restored from the source where it holds one. With a source, `vocab_size` larger than
+    extra the spec names, restored from the source where it holds one (a path is resolved once,
+    `dlm.modeling.resolve`). With a source, `vocab_size` larger than
     its embedding grows it (new special tokens); `config_overrides` go to a fresh backbone's config; `dtype` is the
     precision the backbone is loaded at (with `spec.lora`: the frozen base's; trainable tensors stay fp32).
 
@@ -77,8 +79,8 @@ def build(spec: ModelSpec, source: str | Path | None = None, *, arch: str = "lla
             backbone.to(dtype)
         model_dir = None
     else:
-        model_dir = resolve_model_dir(source)
-        saved = ModelSpec.load(model_dir) if ModelSpec.exists(model_dir) else None
+        resolved = resolve_model(source)
+        model_dir, saved = resolved.path, resolved.saved_spec
         if saved is not None and saved.lora is not None:
             dropout = saved.lora.dropout if spec.lora is None else spec.lora.dropout  # continued: this run's
             adapter = saved.lora.model_copy(update={"dropout": dropout})
@@ -86,7 +88,7 @@ def build(spec: ModelSpec, source: str | Path | None = None, *, arch: str = "lla
             if spec.lora is None:
                 lora.merge_in_place(backbone)
         else:
-            backbone = _load_quietly(model_dir, dtype, saved is not None and any(e.wanted(saved) for e in EXTRAS))
+            backbone = _load_quietly(resolved, dtype)
         if vocab_size is not None and vocab_size > backbone.get_input_embeddings().weight.shape[0]:
             backbone.resize_token_embeddings(vocab_size)
             grown = True
@@ -132,13 +134,12 @@ def _adapter(backbone: PreTrainedModel, wanted: LoraSpec, model_dir: Path | None
     return have.model_copy(update={"dropout": wanted.dropout, "embeddings": have.embeddings or grown})
 
 
-def load_model(path: str | Path, dtype: torch.dtype | None = None) -> DiffusionLM:
+def load_model(source: str | Path | ResolvedModel, dtype: torch.dtype | None = None) -> DiffusionLM:
     """A saved model for inference: a dlm model, run or checkpoint directory (its dlm.json), a LLaDA / Dream
-    directory (a masked model, `dlm.modeling.convert`) or a plain HF causal LM (an autoregressive model). `dtype` is
-    the precision of the whole model, dlm's extras included."""
-    model_dir = resolve_model_dir(path)
-    spec = ModelSpec.load(model_dir) if ModelSpec.exists(model_dir) else (foreign_spec(model_dir) or ModelSpec())
-    model = build(spec, model_dir, dtype=dtype)
+    directory (a masked model, `dlm.modeling.convert`) or a plain HF causal LM (an autoregressive model), resolved
+    or not (`dlm.modeling.resolve`). `dtype` is the precision of the whole model, dlm's extras included."""
+    resolved = resolve_model(source)
+    model = build(resolved.spec or ModelSpec(), resolved, dtype=dtype)
     if dtype is not None:
         cast_model(model, dtype)
     return model.eval()
@@ -178,22 +179,23 @@ def cast_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
 
 def _load_base(model_dir: Path, dtype: torch.dtype | None) -> PreTrainedModel:
     """A LoRA model's base backbone (its own extras, if any, are not part of the adapted model)."""
-    saved = ModelSpec.load(model_dir) if ModelSpec.exists(model_dir) else None
-    if saved is not None and saved.lora is not None:
+    base = resolve_model(model_dir)
+    if base.saved_spec is not None and base.saved_spec.lora is not None:
         raise DlmError(f"{model_dir}: a LoRA base that is itself a LoRA model; export it merged first "
                        f"(dlm export {model_dir} --merge OUT)")
-    return _load_quietly(model_dir, dtype, saved is not None and any(e.wanted(saved) for e in EXTRAS))
+    return _load_quietly(base, dtype)
 
 
-def _load_quietly(model_dir: Path, dtype: torch.dtype | None, has_extras: bool) -> PreTrainedModel:
-    """The HF backbone; when the directory holds dlm extras, transformers' report of them as unexpected keys is
-    silenced (dlm restores them itself)."""
-    if not has_extras:
-        return load_backbone(model_dir, dtype=dtype)
+def _load_quietly(resolved: ResolvedModel, dtype: torch.dtype | None) -> PreTrainedModel:
+    """The HF backbone; when the directory holds dlm extras (its dlm.json names them), transformers' report of them
+    as unexpected keys is silenced (dlm restores them itself)."""
+    saved = resolved.saved_spec
+    if saved is None or not any(e.wanted(saved) for e in EXTRAS):
+        return load_backbone(resolved, dtype=dtype)
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
-        return load_backbone(model_dir, dtype=dtype)
+        return load_backbone(resolved, dtype=dtype)
     finally:
         hf_logging.set_verbosity(level)
 

@@ -21,17 +21,15 @@ from pathlib import Path
 import torch
 from accelerate import init_empty_weights
 from safetensors import safe_open
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
 
+from dlm.data.tokenizer import TOKENIZER_FILES, write_release_tokenizer
 from dlm.errors import DlmError, ModelNotFoundError
-from dlm.modeling.formats import FORMATS, Format, supported
+from dlm.modeling.formats import Format, supported
+from dlm.modeling.resolve import ResolvedModel, first_id, release_spec, resolve_model
 from dlm.modeling.shards import DEFAULT_SHARD_BYTES, ShardWriter
-from dlm.modeling.spec import ModelSpec
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-                   "added_tokens.json", "tokenizer.model", "chat_template.jinja", "chat_template.json")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf")
 # Not carried over: the remote sampler's settings (dlm's sampler options replace them) and the files written anew.
 NOT_COPIED = {"config.json", "generation_config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json"}
@@ -63,41 +61,11 @@ class Plan:
     tensors: list[Tensor]
 
 
-def read_config(model_dir: str | Path) -> dict:
-    path = Path(model_dir) / "config.json"
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ModelNotFoundError(f"{path}: no such file; a checkpoint directory holds its config.json") from None
-    except json.JSONDecodeError as err:
-        raise DlmError(f"{path}:{err.lineno}: malformed JSON ({err.msg})") from None
-
-
-def format_of(model_dir: str | Path) -> Format | None:
-    """The foreign format of a checkpoint directory (by config.json's model_type); None for an HF architecture. A
-    model_type that is neither is an error listing what dlm reads."""
-    model_type = read_config(model_dir).get("model_type")
-    if model_type in FORMATS:
-        return FORMATS[model_type]
-    if model_type not in CONFIG_MAPPING:
-        raise DlmError(f"{Path(model_dir) / 'config.json'}: model_type {model_type!r} is neither a Hugging Face "
-                       f"architecture nor a format dlm reads without remote code ({supported()})")
-    return None
-
-
-def is_foreign(model_dir: str | Path) -> bool:
-    """A directory whose config.json names a foreign format (no error for anything else)."""
-    try:
-        return read_config(model_dir).get("model_type") in FORMATS
-    except DlmError:
-        return False
-
-
-def plan(model_dir: str | Path) -> Plan:
-    """Read config.json and the safetensors headers (no tensor data) and map every name; errors name the file."""
-    model_dir = Path(model_dir)
-    config = read_config(model_dir)
-    fmt = FORMATS.get(config.get("model_type"))
+def plan(source: str | Path | ResolvedModel) -> Plan:
+    """Map every tensor of a release from its config.json (as resolved) and safetensors headers (no tensor data);
+    errors name the file."""
+    resolved = resolve_model(source)
+    model_dir, config, fmt = resolved.path, dict(resolved.config), resolved.release
     if fmt is None:
         native = config.get("model_type") in CONFIG_MAPPING
         raise DlmError(f"{model_dir / 'config.json'}: model_type {config.get('model_type')!r} is not a format dlm "
@@ -124,7 +92,8 @@ def plan(model_dir: str | Path) -> Plan:
     hf_config = AutoConfig.for_model(
         fmt.hf_model_type, architectures=[fmt.architecture], is_causal=False, dtype=embedding.dtype,
         **fmt.hf_config(config, embedding.shape[0], model_dir / "config.json"),
-        **{k: _first(config[k]) for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None})
+        **{k: first_id(config[k]) for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+           if config.get(k) is not None})
     expected = _expected_tensors(hf_config)
     for target, shape in expected.items():
         if target not in by_target:
@@ -138,31 +107,23 @@ def plan(model_dir: str | Path) -> Plan:
     return Plan(fmt, model_dir, config, hf_config, tensors)
 
 
-def foreign_spec(model_dir: str | Path) -> ModelSpec | None:
-    """The ModelSpec of a foreign checkpoint (it has no dlm.json): masked, bidirectional, the format's label shift,
-    token ids from config.json or the published defaults; None when the directory is not a foreign format."""
-    config = read_config(model_dir)
-    fmt = FORMATS.get(config.get("model_type"))
-    return None if fmt is None else _spec(fmt, config)
-
-
-def stream_tensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """The weights of a checkpoint directory under their Hugging Face names, one tensor at a time: a foreign format
-    renamed as `convert` would write it, an HF directory's safetensors as they are."""
-    model_dir = Path(model_dir)
-    if is_foreign(model_dir):
-        yield from _read(plan(model_dir).tensors)
+def stream_tensors(source: str | Path | ResolvedModel) -> Iterator[tuple[str, torch.Tensor]]:
+    """The weights of a model directory under their Hugging Face names, one tensor at a time: a release renamed as
+    `convert` would write it, an HF directory's safetensors as they are."""
+    resolved = resolve_model(source)
+    if resolved.release is not None:
+        yield from _read(plan(resolved).tensors)
         return
-    for file in _weight_files(model_dir):
+    for file in _weight_files(resolved.path):
         with safe_open(str(file), framework="pt") as st:
             for name in st.keys():
                 yield name, st.get_tensor(name)
 
 
-def load_foreign(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
-    """The HF backbone of a foreign checkpoint, built in memory: a meta-device skeleton whose parameters are assigned
-    one source tensor at a time (peak memory: the model plus one tensor)."""
-    p = plan(model_dir)
+def load_foreign(source: str | Path | ResolvedModel, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """The HF backbone of a release, built in memory: a meta-device skeleton whose parameters are assigned one source
+    tensor at a time (peak memory: the model plus one tensor)."""
+    p = plan(source)
     p.hf_config.dtype = dtype
     model = _skeleton(p.hf_config)
     for target, tensor in _read(p.tensors, dtype):
@@ -172,8 +133,8 @@ def load_foreign(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> P
         model.tie_weights()
     left = [n for n, w in [*model.named_parameters(), *model.named_buffers()] if w.device.type == "meta"]
     if left:
-        raise DlmError(f"{model_dir}: nothing filled {', '.join(left)}")
-    model.config.name_or_path = str(model_dir)
+        raise DlmError(f"{p.source}: nothing filled {', '.join(left)}")
+    model.config.name_or_path = str(p.source)
     return model.eval()
 
 
@@ -187,7 +148,7 @@ def convert(src: str | Path, dst: str | Path, *, dtype: torch.dtype | str | None
     if dst.exists():
         raise DlmError(f"{dst}: already exists; remove it or choose another destination")
     p = plan(src)
-    spec = _spec(p.fmt, p.config)
+    spec = release_spec(p.fmt, p.config)
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f"{dst.name}.tmp-", dir=dst.parent))
     try:
@@ -198,8 +159,8 @@ def convert(src: str | Path, dst: str | Path, *, dtype: torch.dtype | str | None
         names = shards.close()
         p.hf_config.dtype = dtype or p.hf_config.dtype
         p.hf_config.save_pretrained(tmp)
-        mask = write_tokenizer(src, tmp, p.fmt, spec)
-        skipped = _copy_other_files(src, tmp)
+        mask = write_release_tokenizer(p.source, tmp, p.fmt, spec)
+        skipped = _copy_other_files(p.source, tmp)
         spec.save(tmp)
         tmp.rename(dst)
     except BaseException:
@@ -216,54 +177,6 @@ def convert(src: str | Path, dst: str | Path, *, dtype: torch.dtype | str | None
     return lines
 
 
-def write_tokenizer(src: Path, dst: Path, fmt: Format, spec: ModelSpec) -> str:
-    """The source tokenizer saved in `dst` loadable with no remote code: a remote tokenizer class becomes the format's
-    stock class, auto_map goes, the mask token (and PAD/EOS when unset) are set from the spec's ids; the chat
-    template and special tokens are carried over. Returns the mask token."""
-    with tempfile.TemporaryDirectory() as stage:
-        found = [f for f in TOKENIZER_FILES if (src / f).is_file()]
-        if "tokenizer_config.json" not in found and "tokenizer.json" not in found:
-            raise DlmError(f"{src}: no tokenizer files (tokenizer_config.json, tokenizer.json)")
-        for f in found:
-            shutil.copy2(src / f, Path(stage) / f)
-        path = src / "tokenizer_config.json"
-        try:
-            tok_config = json.loads(path.read_text()) if path.is_file() else {}
-        except json.JSONDecodeError as err:
-            raise DlmError(f"{path}:{err.lineno}: malformed JSON ({err.msg})") from None
-        tok_config.pop("auto_map", None)
-        if tokenizer_class_from_name(tok_config.get("tokenizer_class") or "") is None:
-            tok_config["tokenizer_class"] = fmt.tokenizer_class
-        (Path(stage) / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2, ensure_ascii=False))
-        tok = AutoTokenizer.from_pretrained(stage)
-        for role in ("mask", "eos", "pad"):
-            wanted = getattr(spec, f"{role}_token_id")
-            token = tok.convert_ids_to_tokens(wanted) if wanted is not None and wanted < len(tok) else None
-            if token is None:
-                if role != "mask":
-                    continue
-                raise DlmError(f"{src}: the tokenizer ({len(tok)} tokens) has no token with the mask id {wanted}")
-            if role == "mask" or getattr(tok, f"{role}_token") is None:
-                setattr(tok, f"{role}_token", token)
-        tok.save_pretrained(dst)
-        return tok.mask_token
-
-
-def foreign_tokenizer(model_dir: str | Path):
-    """The tokenizer `convert` would write for a foreign checkpoint directory, without writing it there; None when
-    the directory is not a foreign format."""
-    model_dir = Path(model_dir)
-    if not is_foreign(model_dir):
-        return None
-    config = read_config(model_dir)
-    fmt = FORMATS[config["model_type"]]
-    with tempfile.TemporaryDirectory() as tmp:
-        write_tokenizer(model_dir, Path(tmp), fmt, _spec(fmt, config))
-        tok = AutoTokenizer.from_pretrained(tmp)
-    tok.name_or_path = str(model_dir)
-    return tok
-
-
 def parse_size(text: str | int) -> int:
     """Bytes from `2GB`, `500MB`, `64KB` (powers of 1024) or a plain number."""
     if isinstance(text, int):
@@ -275,17 +188,6 @@ def parse_size(text: str | int) -> int:
 
 
 # ---- helpers --------------------------------------------------------------------------------------------------
-def _first(value):
-    return value[0] if isinstance(value, list) and value else value
-
-
-def _spec(fmt: Format, config: dict) -> ModelSpec:
-    ids = {f"{r}_token_id": _first(config.get(f"{r}_token_id")) for r in ("mask", "eos", "pad")}
-    defaults = dict(mask_token_id=fmt.mask_token_id, eos_token_id=fmt.eos_token_id, pad_token_id=fmt.pad_token_id)
-    return ModelSpec(family="masked", attention="bidirectional", label_shift=fmt.label_shift,
-                     **{k: defaults[k] if v is None else v for k, v in ids.items()})
-
-
 def _weight_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():

@@ -15,11 +15,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from dlm.data.tokenizer import model_tokenizer
 from dlm.errors import DlmError
 from dlm.modeling import lora
-from dlm.modeling.backbone import resolve_model_dir
 from dlm.modeling.build import EXTRAS
-from dlm.modeling.convert import foreign_spec, foreign_tokenizer, is_foreign, plan, read_config, stream_tensors
+from dlm.modeling.convert import plan, stream_tensors
 from dlm.modeling.device import dtype_name, resolve_device, resolve_dtype
 from dlm.modeling.export_formats import (
     CONFIGURATION_LLADA,
@@ -30,31 +30,32 @@ from dlm.modeling.export_formats import (
     write_llada_tensors,
     write_llada_tokenizer,
 )
+from dlm.modeling.resolve import ResolvedModel, resolve_model
 from dlm.modeling.shards import DEFAULT_SHARD_BYTES, ShardWriter
 from dlm.modeling.spec import SPEC_FILE, ModelSpec
 
 ADAPTER_FILES = {lora.ADAPTER_CONFIG, lora.ADAPTER_WEIGHTS, lora.MODULES_WEIGHTS}
 
 
-def export(model_path: str | Path, out: str | Path, merge: bool = False,
+def export(model_path: str | Path | ResolvedModel, out: str | Path, merge: bool = False,
            max_shard_bytes: int = DEFAULT_SHARD_BYTES, device="cpu", dtype: str | torch.dtype | None = None,
            format: str | None = None) -> Path:
-    """Write the model of `model_path` (a model, run or checkpoint directory) to the new directory `out`: a LoRA
-    model with `merge` as merged HF weights (config.json + safetensors shards + tokenizer + dlm.json without
-    `lora`); anything else as it is (a full model is already plain HF; an adapter still names its base). The
+    """Write the model of `model_path` (a model, run or checkpoint directory, resolved or not) to the new directory
+    `out`: a LoRA model with `merge` as merged HF weights (config.json + safetensors shards + tokenizer + dlm.json
+    without `lora`); anything else as it is (a full model is already plain HF; an adapter still names its base). The
     directory appears only once complete. A merge computes B·A on `device` ("auto": the GPU where there is one) and
     writes its tensors at `dtype` (None: each tensor's own dtype, as the base holds it). `format` ("llada") writes
     the layout an engine serves instead (a LoRA model merged on the way; a model the layout cannot hold is refused)."""
-    model_dir = resolve_model_dir(model_path)
-    spec = ModelSpec.load(model_dir) if ModelSpec.exists(model_dir) else None
+    resolved = resolve_model(model_path)
+    model_dir, spec = resolved.path, resolved.spec
     if format is not None and format not in FORMATS:
         raise DlmError(f"--format {format}: unknown; choose from {', '.join(FORMATS)}")
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise DlmError(f"{out}: already exists; export into a new directory")
     if format is not None:  # every refusal before anything is written
-        spec = spec or foreign_spec(model_dir) or ModelSpec()
-        check_llada(model_dir, spec, _hf_config(model_dir), carry_is_zero=spec.carry and _carry_is_zero(model_dir))
+        spec = spec or ModelSpec()
+        check_llada(model_dir, spec, _hf_config(resolved), carry_is_zero=spec.carry and _carry_is_zero(model_dir))
         if spec.lora is not None and not merge:
             raise DlmError(f"{model_dir}: a LoRA model goes to --format {format} merged: add --merge")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -63,11 +64,11 @@ def export(model_path: str | Path, out: str | Path, merge: bool = False,
         if format is not None:
             dev = resolve_device(device)
             cast = None if dtype is None else resolve_dtype(dtype, dev)
-            write_llada(model_dir, spec, tmp, max_shard_bytes, dev, cast)
+            write_llada(resolved, spec, tmp, max_shard_bytes, dev, cast)
         elif merge and spec is not None and spec.lora is not None:
             dev = resolve_device(device)
             cast = None if dtype is None else resolve_dtype(dtype, dev)
-            merge_adapter(model_dir, spec, tmp, max_shard_bytes, dev, cast)
+            merge_adapter(resolved, spec, tmp, max_shard_bytes, dev, cast)
         elif dtype is not None:
             raise DlmError(f"{model_dir}: --dtype casts a merged LoRA model; this one is copied as it is (use "
                            "dlm convert --dtype for a release)")
@@ -82,22 +83,24 @@ def export(model_path: str | Path, out: str | Path, merge: bool = False,
     return out
 
 
-def write_llada(model_dir: Path, spec: ModelSpec, out: Path, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-                device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> None:
+def write_llada(model_dir: Path | ResolvedModel, spec: ModelSpec, out: Path,
+                max_shard_bytes: int = DEFAULT_SHARD_BYTES, device: str | torch.device = "cpu",
+                dtype: torch.dtype | None = None) -> None:
     """LLaDA's layout of a checked model (`export_formats.check_llada`) into `out`: renamed tensors (a LoRA model
     merged as they stream), LLaDA's config.json, a config class for AutoConfig, the tokenizer with its mask token."""
-    hf = _hf_config(model_dir)
-    tensors = merged_tensors(model_dir, spec, device, dtype) if spec.lora is not None else stream_tensors(model_dir)
+    resolved = resolve_model(model_dir)
+    hf = _hf_config(resolved)
+    tensors = merged_tensors(resolved, spec, device, dtype) if spec.lora is not None else stream_tensors(resolved)
     written, embedding = write_llada_tensors(tensors, hf, ShardWriter(out, max_shard_bytes), dtype)
     config = llada_config(hf, spec, embedding.shape[0], embedding.dtype)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "configuration_llada.py").write_text(CONFIGURATION_LLADA)
-    write_llada_tokenizer(_tokenizer(model_dir), out, spec)
+    write_llada_tokenizer(_tokenizer(resolved), out, spec)
 
 
-def _hf_config(model_dir: Path) -> dict:
+def _hf_config(resolved: ResolvedModel) -> dict:
     """The HF config of a model directory as a dict (a LLaDA / Dream release: the HF config it converts to)."""
-    return plan(model_dir).hf_config.to_dict() if is_foreign(model_dir) else read_config(model_dir)
+    return plan(resolved).hf_config.to_dict() if resolved.release is not None else dict(resolved.config)
 
 
 def _carry_is_zero(model_dir: Path) -> bool:
@@ -114,29 +117,27 @@ def _carry_is_zero(model_dir: Path) -> bool:
     return found
 
 
-def _tokenizer(model_dir: Path):
-    from transformers import AutoTokenizer
-
-    tok = foreign_tokenizer(model_dir)
-    if tok is not None:
-        return tok
+def _tokenizer(resolved: ResolvedModel):
+    """The model's tokenizer as saved (a release's as `dlm convert` writes it); none is one line naming the model."""
     try:
-        return AutoTokenizer.from_pretrained(str(model_dir))
+        return model_tokenizer(resolved)
     except (OSError, ValueError) as err:
-        raise DlmError(f"{model_dir}: no tokenizer to export with the model ({str(err).splitlines()[0]})") from None
+        raise DlmError(f"{resolved.path}: no tokenizer to export with the model ({str(err).splitlines()[0]})") from None
 
 
-def merge_adapter(model_dir: Path, spec: ModelSpec, out: Path, max_shard_bytes: int,
+def merge_adapter(model_dir: Path | ResolvedModel, spec: ModelSpec, out: Path, max_shard_bytes: int,
                   device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> None:
     """The merged model of the adapter directory `model_dir` into `out`: base tensors streamed and merged (B·A
     computed on `device`), then the tensors the run trained in full (dlm's extras, grown embeddings) in place of the
     base's; floating tensors cast to `dtype` when given."""
+    resolved = resolve_model(model_dir)
+    model_dir = resolved.path
     shards = ShardWriter(out, max_shard_bytes)
-    for key, tensor in merged_tensors(model_dir, spec, device, dtype):
+    for key, tensor in merged_tensors(resolved, spec, device, dtype):
         shards.add(key, tensor)
         del tensor
     shards.close()
-    config = json.loads((model_dir / "config.json").read_text())
+    config = dict(resolved.config)
     if dtype is not None:
         config["dtype"] = dtype_name(dtype)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -146,15 +147,15 @@ def merge_adapter(model_dir: Path, spec: ModelSpec, out: Path, max_shard_bytes: 
     spec.model_copy(update={"lora": None}).save(out)
 
 
-def merged_tensors(model_dir: Path, spec: ModelSpec, device: str | torch.device = "cpu",
+def merged_tensors(model_dir: Path | ResolvedModel, spec: ModelSpec, device: str | torch.device = "cpu",
                    dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) of the merged model of the adapter directory `model_dir`, one at a time: the base's tensors
     with W + (alpha/r)·B·A where adapted, then the tensors the run trained in full in place of the base's."""
-    adapter = spec.lora
+    resolved = resolve_model(model_dir)
+    model_dir, config, adapter = resolved.path, resolved.config, spec.lora
     base = lora.base_dir(model_dir, adapter)
     pairs = _adapter_pairs(model_dir / lora.ADAPTER_WEIGHTS)
     trained = load_file(model_dir / lora.MODULES_WEIGHTS) if (model_dir / lora.MODULES_WEIGHTS).is_file() else {}
-    config = json.loads((model_dir / "config.json").read_text())
     skip = {e.name for e in EXTRAS}  # the base's own dlm modules: the run's (in `trained`) belong to this model
     stale_head = "lm_head.weight" if adapter.embeddings and config.get("tie_word_embeddings") else None
     scale = adapter.alpha / adapter.r

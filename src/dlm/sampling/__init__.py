@@ -46,18 +46,19 @@ def generate(model, prompts: Sequence[Sequence[int]], options=None, *, max_new_t
 
 
 def load_for_inference(path, dtype="auto", device="auto"):
-    """(model, tokenizer) from a dlm model dir, a run dir or a checkpoint dir (`dlm.modeling.build.load_model`),
-    placed once: on `device` ("auto": CUDA, then MPS, else CPU) at `dtype` ("auto": bfloat16 on a GPU that has it,
-    float32 elsewhere; a name in DTYPES or a torch dtype), dlm's extras included (`dlm.modeling.device`)."""
+    """(model, tokenizer) from a dlm model dir, a run dir or a checkpoint dir (`dlm.modeling.build.load_model`), or
+    a `ResolvedModel` (the directory is resolved once for both), placed once: on `device` ("auto": CUDA, then MPS,
+    else CPU) at `dtype` ("auto": bfloat16 on a GPU that has it, float32 elsewhere; a name in DTYPES or a torch
+    dtype), dlm's extras included (`dlm.modeling.device`)."""
     from dlm.data.tokenizer import load_tokenizer
-    from dlm.modeling.backbone import resolve_model_dir
     from dlm.modeling.build import load_model
     from dlm.modeling.device import place, resolve_device, resolve_dtype
+    from dlm.modeling.resolve import resolve_model
 
     dev = resolve_device(device)  # first: an unavailable device is one line, not minutes of loading
     dt = resolve_dtype(dtype, dev)
-    model_dir = resolve_model_dir(path)
-    return place(load_model(model_dir, dtype=dt), dev, dt), load_tokenizer(model_dir)
+    resolved = resolve_model(path)
+    return place(load_model(resolved, dtype=dt), dev, dt), load_tokenizer(resolved)
 
 
 def generate_text(model_path, prompts: Sequence[str], options=None, *, max_new_tokens: int = 128,

@@ -9,29 +9,31 @@ from pathlib import Path
 import torch
 
 from dlm.errors import OptionsError
+from dlm.modeling.resolve import ResolvedModel, resolve_model
 from dlm.modeling.reward import reward_scores
 
 _LOADED: dict[tuple[str, str, str], object] = {}
 
 
 def resolve_reward_model(reward_model, like=None):
-    """A loaded reward model, or one loaded (once per process and placement) from a model or run directory onto the
-    device and dtype of the model `like` (the diffusion model it guides: its soft inputs live there)."""
-    if not isinstance(reward_model, (str, Path)):
+    """A loaded reward model, or one loaded (once per process and placement) from a model or run directory (resolved
+    or not) onto the device and dtype of the model `like` (the diffusion model it guides: its soft inputs live
+    there)."""
+    if not isinstance(reward_model, (str, Path, ResolvedModel)):
         return reward_model
-    from dlm.modeling.backbone import resolve_model_dir
     from dlm.modeling.build import load_model
     from dlm.modeling.device import model_device, model_dtype, place
 
-    path = str(resolve_model_dir(reward_model).resolve())
+    resolved = resolve_model(reward_model)
+    path = str(resolved.path.resolve())
     device, dtype = (model_device(like), model_dtype(like)) if like is not None else ("cpu", torch.float32)
     key = (path, str(device), str(dtype))
     if key not in _LOADED:
-        model = load_model(path, dtype=dtype)
-        if model.spec.family != "reward":
-            raise OptionsError(f"reward_model {path}: not a reward model (dlm.json family {model.spec.family!r}; "
+        family = resolved.spec.family if resolved.spec is not None else "autoregressive"
+        if family != "reward":  # known from dlm.json before any weights are read
+            raise OptionsError(f"reward_model {path}: not a reward model (dlm.json family {family!r}; "
                                "train one with `dlm train recipes/tinymath/reward.yaml`)")
-        _LOADED[key] = place(model, device, dtype)
+        _LOADED[key] = place(load_model(resolved, dtype=dtype), device, dtype)
     return _LOADED[key]
 
 
