@@ -63,6 +63,19 @@ RESUME_CASES = {
 }
 
 
+def crash_at_commit(step: int) -> None:
+    """Make this process die (exit code 17) when it is about to commit the checkpoint of `step`: a crash in the
+    middle of writing it, injected here rather than read by the library."""
+    real = ckpt.commit
+
+    def commit(root, tmp, at, keep):
+        if at == step:
+            os._exit(17)
+        return real(root, tmp, at, keep)
+
+    ckpt.commit = commit
+
+
 @pytest.mark.parametrize("objective", list(RESUME_CASES))
 def test_resume_after_crash_during_checkpoint_equals_uninterrupted(tmp_path, objective):
     data = tmp_path / "data"
@@ -71,12 +84,13 @@ def test_resume_after_crash_during_checkpoint_equals_uninterrupted(tmp_path, obj
     reference = losses(full)
     assert len(reference) == 12
 
-    # Crash (os._exit) while writing the step-8 checkpoint, in a separate process.
+    # Crash (os._exit) while writing the step-8 checkpoint, in a separate process: every file is written, the
+    # commit (COMPLETE marker, rename, `latest`) never happens.
     code = (f"import torch; torch.set_num_threads({torch.get_num_threads()}); "  # same float reductions as here
-            f"from tests.test_training import small_recipe; from dlm.training.loop import train; "
+            f"from tests.test_training import crash_at_commit, small_recipe; from dlm.training.loop import train; "
+            f"crash_at_commit(8); "
             f"train(small_recipe({str(tmp_path / 'crash')!r}, {str(data)!r}, *{extra!r}), progress=False)")
-    env = {**os.environ, "DLM_FAULT_AT_CHECKPOINT": "8"}
-    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=os.path.dirname(os.path.dirname(__file__)),
+    proc = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(os.path.dirname(__file__)),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 17, proc.stderr[-2000:]
     crashed = tmp_path / "crash"
