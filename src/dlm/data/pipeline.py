@@ -33,7 +33,7 @@ def load_splits(cfg: DataConfig, default_dir: Path) -> dict[str, list[dict]]:
             write_tinymath(directory, n_train=cfg.n_train, n_val=cfg.n_validation, n_test=cfg.n_test, level=cfg.level,
                            seed=cfg.seed)
             meta.write_text(json.dumps(wanted))
-        paths = {s: str(directory / f"{s}.jsonl") for s in SPLITS}
+        paths: dict[str, str | None] = {s: str(directory / f"{s}.jsonl") for s in SPLITS}
     elif cfg.source == "text":
         return {s: [{"text": d} for d in read_text(p)] for s, p in
                 {"train": cfg.train, "validation": cfg.validation}.items() if p}

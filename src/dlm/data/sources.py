@@ -51,7 +51,7 @@ def read_utf8(path: str | Path, error: type[Exception] = DataError) -> str:
 def read_jsonl(path: str | Path, required: Sequence[str] = ("prompt", "response")) -> list[dict]:
     """Records from a jsonl file; each line must be a JSON object with the `required` string fields."""
     path = Path(path)
-    records = []
+    records: list[dict] = []
     for lineno, line in enumerate(read_utf8(path).split("\n"), start=1):
         if not line.strip():
             continue

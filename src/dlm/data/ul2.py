@@ -9,10 +9,20 @@ are given as clean context. One strategy per batch, chosen with equal weight:
 
 from __future__ import annotations
 
+from typing import TypedDict
+
 import torch
 
-T5 = {"rate": 0.15, "spans": (3, 8)}
-AGGRESSIVE_T5 = {"rate": 0.50, "spans": (3, 8, 48)}
+
+class SpanMix(TypedDict):
+    """A T5-style strategy: mask until `rate` of the sequence is masked, in spans of the `spans` lengths."""
+
+    rate: float
+    spans: tuple[int, ...]
+
+
+T5: SpanMix = {"rate": 0.15, "spans": (3, 8)}
+AGGRESSIVE_T5: SpanMix = {"rate": 0.50, "spans": (3, 8, 48)}
 STRATEGIES = ("t5", "aggressive_t5", "prefix_lm")
 
 

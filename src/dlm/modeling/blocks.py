@@ -61,6 +61,8 @@ def block_causal_mask(q_block: torch.Tensor, q_noised: torch.Tensor, k_block: to
     attend to nothing (a padding row) gets an all-zero row rather than all minima, so no NaN can appear."""
     if k_block is None:
         k_block, k_noised = q_block, q_noised
+    elif k_noised is None:
+        raise ValueError("block_causal_mask: k_block was given without k_noised; pass both (or neither: no cache)")
     allowed = block_causal_allowed(q_block, q_noised, k_block, k_noised, k_valid)
     allowed = allowed | ~allowed.any(-1, keepdim=True)
     mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
@@ -91,6 +93,8 @@ def block_causal_block_mask(q_block: torch.Tensor, q_noised: torch.Tensor, k_blo
 
     if k_block is None:
         k_block, k_noised = q_block, q_noised
+    elif k_noised is None:
+        raise ValueError("block_causal_block_mask: k_block was given without k_noised; pass both (or neither)")
     B, Q, K = q_block.shape[0], q_block.shape[1], k_block.shape[1]
     valid = torch.ones_like(k_block, dtype=torch.bool) if k_valid is None else k_valid.bool()
     empty = attends_nothing(q_block, q_noised, k_block, k_noised, valid)
@@ -112,15 +116,16 @@ def block_causal_block_mask(q_block: torch.Tensor, q_noised: torch.Tensor, k_blo
 def block_attention_backend(backend: BlockAttention = "auto", device: torch.device | str | None = None) -> str:
     """"dense" or "flex": `backend` itself, or for "auto" the DLM_BLOCK_ATTENTION environment variable when set, else
     flex on CUDA and dense elsewhere."""
+    chosen: str = backend
     if backend == "auto":
-        backend = os.environ.get(BLOCK_ATTENTION_ENV, "").strip().lower() or (
+        chosen = os.environ.get(BLOCK_ATTENTION_ENV, "").strip().lower() or (
             "flex" if torch.device(device or "cpu").type == "cuda" else "dense")
         where = f"environment variable {BLOCK_ATTENTION_ENV}"
     else:
         where = "backend argument"
-    if backend not in ("dense", "flex"):
-        raise ValueError(f"{where}: unknown block attention {backend!r}; choose dense or flex (or auto)")
-    return backend
+    if chosen not in ("dense", "flex"):
+        raise ValueError(f"{where}: unknown block attention {chosen!r}; choose dense or flex (or auto)")
+    return chosen
 
 
 SDPA_OR_FLEX = "dlm_sdpa_or_flex"
@@ -159,8 +164,7 @@ def block_attention_mask(q_block: torch.Tensor, q_noised: torch.Tensor, k_block:
                          dtype: torch.dtype = torch.float32, backend: BlockAttention = "auto", model=None):
     """The block-causal attention mask for `backend` (a dense additive mask or a BlockMask); for a BlockMask, `model`'s
     backbone is made to accept it (`use_block_attention`)."""
-    backend = block_attention_backend(backend, q_block.device)
-    if backend == "flex":
+    if block_attention_backend(backend, q_block.device) == "flex":
         if model is not None:
             use_block_attention(model)
         return block_causal_block_mask(q_block, q_noised, k_block, k_noised, k_valid)

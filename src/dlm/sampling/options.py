@@ -123,7 +123,7 @@ class SamplingOptions(BaseModel):
         options given without a policy select the one that reads them, even where the defaults name another."""
         values = {k: v for k, v in values.items() if v is not None}
         refuse_unused(values, names)
-        if "policy" in type(self).model_fields and "policy" not in values:
+        if isinstance(self, MaskedOptions) and "policy" not in values:  # the one family with a policy
             policy = implied_policy(values, self.policy)
             if policy != self.policy:
                 values["policy"] = policy
@@ -240,9 +240,10 @@ ALIASES = {"sampler": "policy", "u": "reveal_count", "tau": "confidence_threshol
 OWNER = {name: family for family, cls in OPTIONS.items() for name in cls.model_fields}  # field → its family
 
 
-class SamplingSettings(create_model("_EveryFamily", __config__=ConfigDict(extra="forbid"),
-                                    **{name: (f.annotation, f) for cls in OPTIONS.values()
-                                       for name, f in cls.model_fields.items()})):
+class SamplingSettings(
+        create_model(  # type: ignore[misc]  # a base built from every family's fields, which mypy cannot read
+            "_EveryFamily", __config__=ConfigDict(extra="forbid"),
+            **{name: (f.annotation, f) for cls in OPTIONS.values() for name, f in cls.model_fields.items()})):
     """Every family's options in one flat set, for what serves models of several families (the recipe's eval
     section, `dlm eval runs/mdm runs/ar --tau 0.9`): each model takes its own family's share."""
 
