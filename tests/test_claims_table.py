@@ -9,7 +9,10 @@ import numpy as np
 import pytest
 
 import claims_table
-from claims_table import ClaimsError, verdict
+from studies import claims as studies_claims
+from studies import evidence
+from studies import progress as studies_progress
+from studies.claims import ClaimsError, verdict
 from studies.plans import Plan
 from studies.tables import StudyTable
 
@@ -257,18 +260,18 @@ def test_cli_prints_one_error_line(tmp_path):
 def test_shipped_claims_quote_their_json(tmp_path):
     """docs/results/claims.yaml: every legacy doc exists and every quoted number equals its JSON; nothing is called
     reproduced without a study; study references name arms and evals of their plans where a plan exists."""
-    data = claims_table.load_claims(ROOT / "docs/results/claims.yaml")
-    rows = claims_table.build_rows(data, ROOT / "docs/results", ROOT / "benchmarks/plans")
+    data = studies_claims.load_claims(ROOT / "docs/results/claims.yaml")
+    rows = evidence.build_rows(data, ROOT / "docs/results", ROOT / "benchmarks/plans")
     assert len(rows) == len(data["claims"]) >= 30
     assert {r["paper"] for r in rows} == {"PUMBA", "TESS 2"}
     for c in data["claims"]:
         leg = c["evidence"].get("legacy")
-        assert leg is None or claims_table.verdict_kind(leg["verdict"]) != "reproduced"
+        assert leg is None or studies_claims.verdict_kind(leg["verdict"]) != "reproduced"
     for o in data["other"]:
         assert (ROOT / "docs/results" / o["doc"]).is_file(), o["doc"]
     headlines = [r for r in rows if r["readme"]]
     assert any("same 1,000 updates" in r["readme"] for r in headlines)  # speed against an AR with equal updates
-    assert all(r["kind"] in claims_table.VERDICTS for r in rows)
+    assert all(r["kind"] in studies_claims.VERDICTS for r in rows)
 
 
 def test_study_progress_counts_each_plans_complete_arms_and_seeds(tmp_path):
@@ -282,7 +285,7 @@ def test_study_progress_counts_each_plans_complete_arms_and_seeds(tmp_path):
                 cell.update(model="same-weights", train_seconds=seconds)
     table.cells[0].update(train_seconds=3600, ms_per_problem=1000 * 3600 / 200)  # 1 h training + 1 h evaluating
     table._write()
-    progress = {p["plan"]: p for p in claims_table.plan_progress(results, plans)}
+    progress = {p["plan"]: p for p in studies_progress.plan_progress(results, plans)}
     assert progress["toy"]["hours"] == pytest.approx(1 + 1 + 0.5)  # the shared weights' training counted once
     toy, empty = progress["toy"], progress["empty"]
     assert toy["cells"] == 14 and toy["planned"] == 4 * 3 + 2 * 3  # 'e' for 4 arms, 'one-seed' for 2, 3 seeds
@@ -292,14 +295,14 @@ def test_study_progress_counts_each_plans_complete_arms_and_seeds(tmp_path):
     assert empty["cells"] == 0 and empty["planned"] == 4 * 3 * 2 and empty["complete"] == [] and empty["table"] is None
     assert toy["unmeasured"] == ["better", "b"]  # 'one-seed' has no timed cell: nothing to estimate from
     assert empty["unmeasured"] == list(empty["arms"]) and empty["to_go"] == 0
-    lines = claims_table.render_progress(list(progress.values()))
+    lines = studies_progress.render_progress(list(progress.values()))
     row = next(x for x in lines if x.startswith("| [toy]"))
     assert "| 14 / 18 | 8 / 12 | slightly, worse | seed 0: 4/4, seed 1: 2/4, seed 2: 2/4 |" in row
     assert row.endswith("| 0.0 + better, b (no recorded time to estimate from) |")
     assert next(x for x in lines if x.startswith("| empty")).endswith("| no cell yet to estimate from |")
     # a plan whose header says it was stopped shows that instead of an estimate (its digest is unchanged: a comment)
     (plans / "toy.yaml").write_text("# STOPPED (2026-12-05): too slow\n" + (plans / "toy.yaml").read_text())
-    row = next(x for x in claims_table.render_progress(claims_table.plan_progress(results, plans))
+    row = next(x for x in studies_progress.render_progress(studies_progress.plan_progress(results, plans))
                if x.startswith("| [toy]"))
     assert row.endswith("| stopped (its plan's header says why); the missing cells will not run |")
 
@@ -319,12 +322,12 @@ def test_time_to_go_charges_each_missing_cell_its_arms_measured_time(tmp_path):
             c["train_seconds"] = {"slightly": 600, "better": 900 + 600 * c["seed"], "worse": 600}.get(c["arm"])
         elif c["arm"] == "better":
             c["ms_per_problem"] = 40 * 1000 / c["n"]  # 'one-seed', seed 0: 40 s
-    seconds, unmeasured = claims_table._time_to_go(plan, table)
+    seconds, unmeasured = studies_progress._time_to_go(plan, table)
     # slightly seed 2: training 600 + e 100; worse seed 2: e 100 (slightly's weights); better one-seed seeds 1, 2:
     # 2 x 40; b one-seed seeds 1, 2: copied from seed 0 (a start). Nothing unmeasured.
     assert seconds == pytest.approx(600 + 100 + 100 + 80) and unmeasured == []
     table.cells = [c for c in table.cells if c["arm"] != "slightly"]
-    seconds, unmeasured = claims_table._time_to_go(plan, table)
+    seconds, unmeasured = studies_progress._time_to_go(plan, table)
     assert unmeasured == ["slightly"]  # no training of its own to go on (worse's record is slightly's weights)
     assert seconds == pytest.approx(3 * 100 + 100 + 80)  # its e cells at the median over arms; worse seed 2; better
     # an arm whose every cell was taken over from another plan's table (--reuse) costs this plan nothing: its other
@@ -333,7 +336,7 @@ def test_time_to_go_charges_each_missing_cell_its_arms_measured_time(tmp_path):
         if c["arm"] == "better":
             c["copied_from"] = {"table": "other", "arm": "better", "seed": c["seed"], "eval": c["eval"]}
     table.cells = [c for c in table.cells if not (c["arm"] == "better" and c["seed"] == 2)]
-    seconds, unmeasured = claims_table._time_to_go(plan, table)
+    seconds, unmeasured = studies_progress._time_to_go(plan, table)
     assert seconds == pytest.approx(3 * 100 + 100) and unmeasured == ["slightly"]
 
 
@@ -349,35 +352,35 @@ def test_a_plan_whose_pinned_start_is_not_kept_is_frozen(tmp_path):
     table._write()
     claims = tmp_path / "claims.yaml"
     claims.write_text("claims:\n" + _claim("c1", "study: {plan: toy, arm_a: better, arm_b: b, eval: e}"))
-    data = claims_table.load_claims(claims)
-    row = claims_table.build_rows(data, results, plans)[0]
+    data = studies_claims.load_claims(claims)
+    row = evidence.build_rows(data, results, plans)[0]
     assert row["seeds"] == "2/3 (frozen)" and "frozen at 2 of 3 seeds" in row["note"]
-    toy = {p["plan"]: p for p in claims_table.plan_progress(results, plans)}["toy"]
-    assert toy["lost"] == ["warm"] and claims_table._to_go_text(toy).startswith("frozen: its pinned warm weights")
+    toy = {p["plan"]: p for p in studies_progress.plan_progress(results, plans)}["toy"]
+    assert toy["lost"] == ["warm"] and studies_progress._to_go_text(toy).startswith("frozen: its pinned warm weights")
     (tmp_path / "starts").mkdir()
     (tmp_path / "starts" / "starts.json").write_text(json.dumps({"w": {"path": "runs/w", "fingerprint": "abc"}}))
-    assert claims_table.build_rows(data, results, plans)[0]["seeds"] == "2/3"
-    toy = {p["plan"]: p for p in claims_table.plan_progress(results, plans)}["toy"]
+    assert evidence.build_rows(data, results, plans)[0]["seeds"] == "2/3"
+    toy = {p["plan"]: p for p in studies_progress.plan_progress(results, plans)}["toy"]
     assert toy["lost"] == []
     # kept in the manifest but its weights are on another machine (they are not in git): waiting, not frozen
-    assert toy["absent"] == ["warm"] and claims_table._to_go_text(toy).startswith("waits for its kept warm weights")
+    assert toy["absent"] == ["warm"] and studies_progress._to_go_text(toy).startswith("waits for its kept warm weights")
     (tmp_path / "starts" / "w" / "model").mkdir(parents=True)
     (tmp_path / "starts" / "w" / "model" / "model.safetensors").write_bytes(b"x")
-    toy = {p["plan"]: p for p in claims_table.plan_progress(results, plans)}["toy"]
-    assert toy["absent"] == [] and not claims_table._to_go_text(toy).startswith("waits")
+    toy = {p["plan"]: p for p in studies_progress.plan_progress(results, plans)}["toy"]
+    assert toy["absent"] == [] and not studies_progress._to_go_text(toy).startswith("waits")
     # only the seeds still to run count: seed 2 restarted on a start that is lost too freezes the plan again,
     # whatever the finished seeds were pinned to
     table.pins["warm/seed2"] = "rebuilt"
     table._write()
-    toy = {p["plan"]: p for p in claims_table.plan_progress(results, plans)}["toy"]
+    toy = {p["plan"]: p for p in studies_progress.plan_progress(results, plans)}["toy"]
     assert toy["lost"] == ["warm"]
     (tmp_path / "starts" / "starts.json").write_text(json.dumps({"w": {"path": "runs/w", "fingerprint": "rebuilt"}}))
-    toy = {p["plan"]: p for p in claims_table.plan_progress(results, plans)}["toy"]
-    unfinished = claims_table._unfinished_seeds(table)
+    toy = {p["plan"]: p for p in studies_progress.plan_progress(results, plans)}["toy"]
+    unfinished = studies_progress._unfinished_seeds(table)
     assert 2 in unfinished and toy["lost"] == (["warm"] if set(unfinished) - {2} else [])  # others still on abc
     table.pins.update({f"warm/seed{s}": "rebuilt" for s in unfinished})
     table._write()
-    toy = {p["plan"]: p for p in claims_table.plan_progress(results, plans)}["toy"]
+    toy = {p["plan"]: p for p in studies_progress.plan_progress(results, plans)}["toy"]
     assert toy["lost"] == [] and toy["absent"] == []  # abc pins only finished seeds now: it may be lost
 
 
@@ -422,5 +425,5 @@ def test_time_to_go_estimates_measure_tables_from_their_cells(tmp_path):
     table = StudyTable(results / "m.json", plan)
     table.add_measure("a", 0, "val", [1.0, 2.0], problems="p", train_seconds=300.0)
     table.add_measure("b", 0, "val", [1.0, 2.0], problems="p", train_seconds=600.0, seconds=60.0)
-    to_go, unmeasured = claims_table._time_to_go(plan, table)
+    to_go, unmeasured = studies_progress._time_to_go(plan, table)
     assert unmeasured == [] and to_go == pytest.approx(2 * 300 + 2 * (600 + 60))

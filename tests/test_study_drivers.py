@@ -354,7 +354,7 @@ def test_study_report_writes_the_marked_section_from_a_synthetic_table(tmp_path)
 
 
 def test_study_report_names_a_restarted_seeds_retired_cells(tmp_path):
-    import study_report
+    from studies import report
 
     plan_path = tmp_path / "synthetic.yaml"
     plan_path.write_text(REPORT_PLAN)
@@ -363,7 +363,7 @@ def test_study_report_names_a_restarted_seeds_retired_cells(tmp_path):
         for seed in (0, 1):
             table.add(arm, seed, "u=2", {"samples": [{"correct": x} for x in correct]}, problems="p")
     table.restart(1, {"start": "rebuilt"}, "its start was rebuilt")
-    text = study_report.section(table, str(plan_path), str(tmp_path / "synthetic.json"), str(tmp_path / "d.md"))
+    text = report.section(table, str(plan_path), str(tmp_path / "synthetic.json"), str(tmp_path / "d.md"))
     assert ("**Seed 1 was run again.** Its start was rebuilt. Its 2 earlier cells are retired (kept under `retired` "
             "in the table, out of every number below); at u=2 they scored a 75.0, b 50.0.") in text
     assert "| a | – | – | – | 0/3 | 75.0 [75.0] |" in text  # seed 0 alone
@@ -427,7 +427,7 @@ def test_unseen_report_pairs_each_arms_unseen_cells_with_its_seen_ones(tmp_path)
 
 
 def test_plot_series_keep_top_u_and_threshold_apart_and_draw_an_ar_once(tmp_path):
-    import study_report
+    from studies import report
 
     plan_path = tmp_path / "mixed.yaml"
     plan_path.write_text("name: mixed\narms: [mdm, ar]\nseeds: [0]\nevals: [u=1, u=4, tau=0.9, tau=0.9/unseen]\n"
@@ -439,7 +439,7 @@ def test_plot_series_keep_top_u_and_threshold_apart_and_draw_an_ar_once(tmp_path
                   problems=key)
         table.add("ar", 0, key, {"mean_nfe": 27.0, "samples": [{"correct": i < 99} for i in range(100)]},
                   problems=key)
-    lines = dict(study_report.series(table))
+    lines = dict(report.series(table))
     assert sorted(lines) == ["ar", "mdm (threshold)", "mdm (top-u)"]  # the unseen split is not on the plot
     assert lines["mdm (top-u)"] == [(9.0, 80.0, 0.0), (36.0, 90.0, 0.0)]
     assert lines["mdm (threshold)"] == [(3.0, 85.0, 0.0)]
