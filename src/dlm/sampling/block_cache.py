@@ -32,17 +32,20 @@ from dlm.modeling.blocks import block_causal_mask, canvas_blocks
 from dlm.sampling.steps import Progress
 
 
-class _StepLayer(DynamicLayer):
-    """One layer of a `StepCache`: a [R, H, K + W, D] buffer whose first K positions hold the kept keys (values)."""
+class InPlaceLayer(DynamicLayer):
+    """One layer's keys (values) in a preallocated buffer [R, H, columns, D]: a forward of Q positions writes its keys
+    at columns [start, start + Q) in place and attends columns [0, start + Q); nothing is copied. Used by `StepCache`
+    (start = the kept positions) and by the continuous batch's shared cache (start = the columns in use)."""
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, kept: int):
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, start: int):
         super().__init__()
-        self.keys, self.values, self.kept, self.device, self.is_initialized = keys, values, kept, keys.device, True
+        self.keys, self.values, self.start, self.device, self.is_initialized = keys, values, start, keys.device, True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        self.keys[:, :, self.kept :] = key_states
-        self.values[:, :, self.kept :] = value_states
-        return self.keys, self.values
+        end = self.start + key_states.shape[2]
+        self.keys[:, :, self.start : end] = key_states
+        self.values[:, :, self.start : end] = value_states
+        return self.keys[:, :, :end], self.values[:, :, :end]
 
 
 class StepCache(Cache):
@@ -56,7 +59,7 @@ class StepCache(Cache):
             R, H, K, D = k.shape
             keys, values = k.new_empty(R, H, K + width, D), v.new_empty(R, H, K + width, v.shape[-1])
             keys[:, :, :K], values[:, :, :K] = k, v
-            layers.append(_StepLayer(keys, values, K))
+            layers.append(InPlaceLayer(keys, values, K))
         super().__init__(layers=layers)
 
     def select(self, local: torch.Tensor) -> None:
