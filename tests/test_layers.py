@@ -5,12 +5,15 @@
 
 Each package may import `dlm.errors` and `dlm.checkpoint` (the run directory's checkpoint layout), its own layer and
 the layers listed before it; `cli` and `demo` may import anything. Imports under `if TYPE_CHECKING:` are annotations
-only and do not count. No two modules import each other (directly or through a longer circle)."""
+only and do not count. No two modules import each other (directly or through a longer circle). No dlm module
+imports the research code: the studies package (benchmarks/studies) or a benchmark script."""
 
 import ast
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "dlm"
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+RESEARCH = {"studies", *(p.stem for p in BENCHMARKS.glob("*.py"))}  # top-level names of the research code
 BASE = {"errors", "checkpoint", "modeling", "diffusion", "data"}
 ALLOWED = {
     "errors": set(),
@@ -98,3 +101,29 @@ def test_the_checker_sees_lazy_imports_and_skips_type_checking(tmp_path):
     f.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from dlm.config import Recipe\n"
                  "def f():\n    from dlm.training import loop\n")
     assert _imports(f) == {"dlm.training.loop"}
+
+
+def _research_imports(path: Path) -> set[str]:
+    """Research modules (the studies package, benchmark scripts) imported anywhere in the file, lazy ones included."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.split(".")[0] in RESEARCH}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module \
+                and node.module.split(".")[0] in RESEARCH:
+            found.add(node.module)
+    return found
+
+
+def test_the_library_never_imports_the_research_code():
+    hits = [f"{p.relative_to(SRC.parent)} imports {m}" for p in sorted(SRC.rglob("*.py")) for m in
+            sorted(_research_imports(p))]
+    assert "studies" in RESEARCH and "pumba_study" in RESEARCH  # the rule knows what it guards
+    assert not hits, "dlm imports research code (benchmarks/, benchmarks/studies):\n  " + "\n  ".join(hits)
+
+
+def test_the_research_check_sees_the_studies_package_and_benchmark_scripts(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("import json\nimport numpy as np\ndef f():\n    from studies.tables import StudyTable\n"
+                 "    import pumba_study\nfrom dlm.evaluation import stats\n")
+    assert _research_imports(f) == {"studies.tables", "pumba_study"}
