@@ -11,7 +11,7 @@ settings.later updates after) and every per-update loss of the followed sequence
 (optional) are recipe overrides every run takes.
 
 The report pairs arms by sequence: the difference a − b of the completion loss is averaged over seeds per sequence,
-with a bootstrap CI over sequences and a sign-flip p (`dlm.evaluation.stats.compare_values`, as the D_mask study's
+with a bootstrap CI over sequences and a sign-flip p (`studies.stats.compare_values`, as the D_mask study's
 `compare`). A comparison {a, b, expect: lower} claims a's held-out completion loss is below b's; the verdict follows
 docs/results/README.md.
 

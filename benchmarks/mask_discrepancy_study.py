@@ -10,7 +10,7 @@ each on a 2-core machine beside other jobs: size n from that (docs/results/pumba
 
 The report pairs arms by problem. A problem's score is its mean D_mask over the ratios both arms have; the difference
 a − b is averaged over seeds per problem, with a bootstrap CI over problems and a sign-flip p
-(`dlm.evaluation.stats.compare_values`), overall and at each ratio. A comparison {a, b, expect: lower} claims that
+(`studies.stats.compare_values`), overall and at each ratio. A comparison {a, b, expect: lower} claims that
 a's masks are closer to the sampler's (a below b); the verdict follows docs/results/README.md: **reproduced** with 3
 seeds, the CI wholly on the claimed side and every seed's difference on it; **partly** when the mean is on that side
 but short of this; **not** otherwise.

@@ -4,7 +4,7 @@ compared item by item.
 
 - `compare`: the plan comparison {a, b, eval, expect} over the seeds both arms have. An item's score is its mean over
   the columns both arms have in that seed; the difference a − b is averaged over seeds per item, with a bootstrap CI
-  over items and a sign-flip p (`dlm.evaluation.stats.compare_values`), and per column when the cells are D_mask rows.
+  over items and a sign-flip p (`studies.stats.compare_values`), and per column when the cells are D_mask rows.
 - `verdict`: the docs/results/README.md rule in the claimed direction (lower or higher).
 - `header_lines`, `comparison_lines`, `mean_sd`: the parts of a report every such driver writes alike.
 - `main`: the run / report command line of such a driver.
