@@ -16,6 +16,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
 from dlm.config import Recipe, RecipeError
+from dlm.errors import DlmError
 from dlm.modeling.build import load_weights
 from dlm.training import sharding
 from dlm.training.resume import ResumeError
@@ -45,6 +46,30 @@ class Parallelism:
     @property
     def deepspeed(self) -> bool:
         return self.backend.startswith("zero")
+
+
+def from_accelerate_config(cfg: dict, processes: int, where: str | Path) -> Parallelism:
+    """The parallelism an accelerate config file (`cfg`, read from `where`) gives `processes` processes."""
+    kind, wrap, shard = str(cfg.get("distributed_type", "NO")).upper(), None, processes
+    if kind in ("NO", "MULTI_GPU", "MULTI_CPU"):
+        backend = "single" if processes == 1 else "ddp"
+    elif kind == "FSDP":
+        fsdp = cfg.get("fsdp_config") or {}
+        if int(fsdp.get("fsdp_version", 1)) != 2:
+            raise DlmError(f"{where}: fsdp_config.fsdp_version must be 2 (FSDP2); dlm's configs use FSDP2 only")
+        backend, wrap = "fsdp2", fsdp.get("fsdp_transformer_layer_cls_to_wrap")
+        par = cfg.get("parallelism_config") or {}  # hybrid sharding: shard within groups, replicate across them
+        shard = int(par.get("parallelism_config_dp_shard_size", processes) or processes)
+    elif kind == "DEEPSPEED":
+        stage = (cfg.get("deepspeed_config") or {}).get("zero_stage")
+        if stage not in (2, 3):
+            raise DlmError(f"{where}: deepspeed_config.zero_stage is {stage!r}; dlm knows ZeRO stages 2 and 3")
+        backend = f"zero{stage}"
+    else:
+        raise DlmError(f"{where}: distributed_type {kind!r} is not one dlm knows (NO, MULTI_GPU, FSDP, DEEPSPEED)")
+    if processes % shard:
+        raise DlmError(f"scale.num_processes {processes} is not a multiple of the shard size {shard} in {where}")
+    return Parallelism(backend, processes, shard if backend != "ddp" else 1, str(where), wrap)
 
 
 def refusals(backend: str, recipe: Recipe) -> list[str]:
