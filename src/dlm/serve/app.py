@@ -37,7 +37,7 @@ def create_app(engine: Engine, host: str = "127.0.0.1", allowed_hosts=(), api_ke
     """The app serving `engine`'s model; its batcher runs while the app does (lifespan). `host`: the address it is
     bound to (a loopback one: only loopback Host names are answered, and `allowed_hosts`); `api_key`: /v1 needs it."""
     limits = engine.limits
-    access = rules(host, allowed_hosts, api_key)
+    access = rules(host, allowed_hosts, api_key)  # refuses a bad host or key before anything is built
     batcher = Batcher(engine.model, engine.tok, limits.max_batch_size, limits.batch_window_ms / 1000,
                       continuous=limits.continuous, max_nfe=limits.max_nfe)
     state = {"active": 0, "served": 0}
@@ -52,6 +52,23 @@ def create_app(engine: Engine, host: str = "127.0.0.1", allowed_hosts=(), api_ke
     app.state.engine, app.state.batcher = engine, batcher
     app.add_middleware(Access, **access)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    _add_error_handlers(app)
+    _add_info_routes(app, engine, batcher, state)
+    handle = _request_handler(engine, batcher, state)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await handle(request, CompletionRequest)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await handle(request, ChatRequest)
+
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every refusal and every bug answered as an OpenAI error object."""
 
     @app.exception_handler(ApiError)
     async def _api_error(request, err: ApiError):
@@ -67,6 +84,10 @@ def create_app(engine: Engine, host: str = "127.0.0.1", allowed_hosts=(), api_ke
     @app.exception_handler(Exception)
     async def _bug(request, err: Exception):  # logged with its traceback by the server; the client gets JSON
         return JSONResponse(_as_api_error(err).body(), status_code=500)
+
+
+def _add_info_routes(app: FastAPI, engine: Engine, batcher: Batcher, state: dict) -> None:
+    """The page, /health (the server's load and counters) and /v1/models."""
 
     @app.get("/")
     async def page():
@@ -86,6 +107,12 @@ def create_app(engine: Engine, host: str = "127.0.0.1", allowed_hosts=(), api_ke
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [engine.describe()]}
+
+
+def _request_handler(engine: Engine, batcher: Batcher, state: dict):
+    """The coroutine answering a completion or chat request: body within the limits, then a concurrency slot held
+    until its response (or stream) ends, the job submitted to the batcher."""
+    limits = engine.limits
 
     async def handle(request: Request, kind):
         _check_json_type(request)
@@ -114,15 +141,7 @@ def create_app(engine: Engine, host: str = "127.0.0.1", allowed_hosts=(), api_ke
             if release is not None:
                 release()
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await handle(request, CompletionRequest)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await handle(request, ChatRequest)
-
-    return app
+    return handle
 
 
 def _once(fn):
