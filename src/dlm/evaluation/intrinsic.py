@@ -132,7 +132,7 @@ def intrinsic_metrics(prompts: Sequence[str], generations: Sequence[str], refere
     perplexity (which is their token-weighted mean, exponentiated), so a study can pair generations by prompt."""
     token_lists = [tok(g, add_special_tokens=False)["input_ids"] for g in generations]
     nll, count, gen_feats = _score(reference_model, reference_tok, prompts, generations, batch_size)
-    result = {"perplexity": math.exp(sum(nll) / max(sum(count), 1)),
+    result: dict[str, float | list[float]] = {"perplexity": math.exp(sum(nll) / max(sum(count), 1)),
               **{f"dist_{n}": distinct_n(token_lists, n) for n in (1, 2, 3, 4)},
               "unigram_entropy": unigram_entropy(token_lists),
               "mean_length": sum(map(len, token_lists)) / max(len(token_lists), 1)}

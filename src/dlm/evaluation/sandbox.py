@@ -26,6 +26,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeGuard
 
 _MAX_RESULT = 1 << 20  # bytes of JSON result accepted from the child
 _MAX_ERROR = 500  # characters of error message kept
@@ -242,6 +243,7 @@ def run_program(source: str, entry: str = "solution", timeout: float = 1.0, memo
             os.close(wfd)
         deadline, data = time.monotonic() + timeout, b""
         try:
+            assert proc.stdin is not None  # stdin=PIPE above; says so to the type checker
             try:
                 proc.stdin.write(nonce)
                 proc.stdin.close()
@@ -265,7 +267,7 @@ def run_programs(sources: Sequence[str], entry: str = "solution", timeout: float
 
 def answers_match(value: object, expected: object, tol: float = 1e-3) -> bool:
     """Compare a program's answer with the reference: exact for ints, ``tol`` (abs, or rel above 1) for floats."""
-    def is_num(x: object) -> bool:
+    def is_num(x: object) -> TypeGuard[numbers.Real]:
         return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
     if is_num(value) and is_num(expected):

@@ -18,10 +18,13 @@ other weight; plain transformers ignores it on load.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 CARRY_MODULE = "dlm_carry_norm"
 CarryPositions = Literal["all", "masked"]
@@ -47,7 +50,7 @@ def zero_carry_(model) -> None:
         norm.bias.zero_()
 
 
-def carry_norm_for(backbone: nn.Module) -> nn.LayerNorm:
+def carry_norm_for(backbone: PreTrainedModel) -> nn.LayerNorm:
     """The carry LayerNorm for `backbone` (its hidden size, norm epsilon, device and dtype), zero-initialised."""
     weight = backbone.get_input_embeddings().weight
     eps = getattr(backbone.config, "rms_norm_eps", 1e-5)

@@ -64,7 +64,8 @@ def resolve_targets(backbone: PreTrainedModel, wanted: list[str] | str) -> list[
 
 
 def peft_config(lora: LoraSpec) -> LoraConfig:
-    return LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, bias="none", task_type="CAUSAL_LM",
+    return LoraConfig(r=lora.r, lora_alpha=lora.alpha,  # type: ignore[arg-type]  # peft says int; alpha/r takes floats
+                      lora_dropout=lora.dropout, bias="none", task_type="CAUSAL_LM",
                       target_modules=list(lora.target_modules), base_model_name_or_path=lora.base)
 
 
@@ -107,6 +108,8 @@ def save_adapter(backbone: PreTrainedModel, spec: ModelSpec, directory: str | Pa
                  values: dict[str, torch.Tensor] | None = None) -> None:
     """The adapter model directory (see the module docstring); `values` (backbone names, e.g. EMA weights) replace
     the live trainable tensors."""
+    if spec.lora is None:
+        raise ValueError("save_adapter: the model spec has no lora section; save a full model with save_pretrained")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     adapter, modules = {}, {}

@@ -7,16 +7,21 @@ embeddings (reward guidance, §3.4)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dlm.modeling.backbone import unwrap
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 REWARD_HEAD = "dlm_reward_head"
 
 
-def reward_head_for(backbone: nn.Module) -> nn.Linear:
+def reward_head_for(backbone: PreTrainedModel) -> nn.Linear:
     """The scalar head Linear(d, 1) read at the response's last token (TESS 2 App. C)."""
     weight = backbone.get_input_embeddings().weight
     head = nn.Linear(backbone.config.hidden_size, 1, device=weight.device, dtype=weight.dtype)

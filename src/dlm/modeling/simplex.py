@@ -10,15 +10,20 @@ other weight; plain transformers ignores it on load.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from dlm.modeling.backbone import unwrap
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 TIMESTEP_EMBEDDING = "dlm_timestep_embedding"
 
 
-def timestep_embedding_for(backbone: nn.Module) -> nn.Linear:
+def timestep_embedding_for(backbone: PreTrainedModel) -> nn.Linear:
     """The timestep embedding Linear(1, d, bias=False) of TESS 2 §3.1, zero-initialised so that an AR checkpoint
     starts out unchanged (our choice; the paper does not say how it is initialised)."""
     weight = backbone.get_input_embeddings().weight
