@@ -129,3 +129,11 @@ def test_smoke_caps_an_eval_request(monkeypatch, capsys):
     assert (capped.n, capped.max_new_tokens) == (SMOKE_N, SMOKE_TOKENS)
     assert smoke_capped(dataclasses.replace(request, n=2)).n == 2
     assert "not a result" in capsys.readouterr().err
+
+
+def test_generation_length_is_the_eval_sections_default(tmp_path):
+    from dlm.config import GENERATION_LENGTH, EvalConfig, run_generation_length
+
+    assert EvalConfig().max_new_tokens == GENERATION_LENGTH
+    assert run_generation_length(tmp_path) == GENERATION_LENGTH  # no run recipe here
+    assert f"else {GENERATION_LENGTH})" in _help(_parser("generate"), "--max-new-tokens")

@@ -9,6 +9,8 @@ from dlm.cli.flags import add_device_flags, add_sampling_flags, device_first, sa
 
 def add_generate_parser(sub) -> None:
     """`dlm generate MODEL`: prompts, length, temperature, device and every sampling option."""
+    from dlm.config import GENERATION_LENGTH
+
     g = sub.add_parser("generate", help="generate responses from a trained model",
                        description="Generate a response to each prompt with a trained model (run dir or model dir).")
     g.add_argument("model", help="run directory or model directory")
@@ -17,7 +19,7 @@ def add_generate_parser(sub) -> None:
     g.add_argument("--truncate-prompts", action="store_true",
                    help="keep the end of a prompt too long for the model's context (default: refuse it)")
     g.add_argument("--max-new-tokens", type=int, help="AR: token limit; masked: generation canvas length (default: "
-                   "the run's eval.max_new_tokens, the length its test used; else 128)")
+                   f"the run's eval.max_new_tokens, the length its test used; else {GENERATION_LENGTH})")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--show-steps", action="store_true",
@@ -39,7 +41,7 @@ def generate_command(a) -> None:
         sys.exit("dlm generate: give at least one --prompt or a --file")
     from dlm.config import run_generation_length
 
-    length = a.max_new_tokens or run_generation_length(a.model, 128)
+    length = a.max_new_tokens or run_generation_length(a.model)
     for r in generate_text(a.model, prompts, settings, max_new_tokens=length, temperature=a.temperature,
                            seed=a.seed, show_steps=a.show_steps, dtype=a.dtype, device=a.device,
                            truncate_prompts=a.truncate_prompts):

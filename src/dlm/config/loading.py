@@ -8,7 +8,7 @@ from pathlib import Path
 import yaml
 from pydantic import ValidationError
 
-from dlm.config.recipe import Recipe
+from dlm.config.recipe import GENERATION_LENGTH, Recipe
 from dlm.config.smoke import smoke_scaled
 from dlm.errors import DlmError
 
@@ -61,7 +61,7 @@ def run_recipe(path: str | Path) -> Recipe | None:
     return load_recipe(recipe) if recipe else None
 
 
-def run_generation_length(path: str | Path, fallback: int) -> int:
+def run_generation_length(path: str | Path, fallback: int = GENERATION_LENGTH) -> int:
     """The generation length a run was evaluated with while training (its recipe's eval.max_new_tokens: the canvas
     its test used), else `fallback`: the default of `dlm generate` / `dlm eval` on a dlm run."""
     try:

@@ -58,6 +58,9 @@ class ScaleConfig(Strict):
         return gpu
 
 
+GENERATION_LENGTH = 128  # eval.max_new_tokens' default, and the length dlm generate / eval use without a run recipe
+
+
 class EvalConfig(SamplingSettings):
     """In-run evaluation, and the sampler it uses: every family's sampling options, flat (eval.reveal_count,
     eval.inference_steps, ...), defined once in `dlm.sampling.options`; each model takes its family's share
@@ -66,7 +69,8 @@ class EvalConfig(SamplingSettings):
     n: int = Field(200, gt=0, description="validation problems evaluated during training")
     test_n: int | None = Field(None, gt=0, description="test problems evaluated when training ends (null = all)")
     batch_size: int = Field(50, gt=0)
-    max_new_tokens: int = Field(128, gt=0, description="AR: token limit; masked: length of the generation canvas")
+    max_new_tokens: int = Field(GENERATION_LENGTH, gt=0, description="AR: token limit; masked: length of the "
+                                "generation canvas")
     temperature: float = Field(0.0, ge=0)
 
 
