@@ -302,16 +302,16 @@ def replaced(fn, old: str, new: str):
 
 
 def _plants():
-    from dlm.training.objectives import block_mdm, mdm, progressive, simplex
+    from dlm.training.objectives import block_mdm, bridges, mdm, progressive, pu_pass, simplex
 
     P = progressive.ProgressiveObjective
     return {  # (object holding the function, its name, (source text, its bug), the case that must now fail)
         # a factory without device=
-        "pu_attention": (P, "loss", ("long, device=device)", "long)"), "carry_window_2"),
-        "block_pumba_weights": (progressive, "block_weights", ("n, device=group.device).scatter_add_(1, group, in_",
-                                                               "n).scatter_add_(1, group, in_"),
+        "pu_attention": (P, "_open_window", ("long, device=device)", "long)"), "carry_window_2"),
+        "block_pumba_weights": (pu_pass, "block_weights", ("n, device=group.device).scatter_add_(1, group, in_",
+                                                           "n).scatter_add_(1, group, in_"),
                                 "block_pumba_carry_window_2"),
-        "reinforce_sampled_mask": (progressive.SampledReinforceBridge, "from_logits",
+        "reinforce_sampled_mask": (bridges.SampledReinforceBridge, "from_logits",
                                    ("device=logits.device", ""), "reinforce_sampled"),
         "simplex_ul2_positions": (simplex, "generated_positions", ("device=ids.device)[None", ")[None"),
                                   "simplex_ul2_t5"),
@@ -320,11 +320,11 @@ def _plants():
         "block_mdm_levels": (block_mdm.BlockMDMObjective, "plan", ("level.to(device)", "level"), "block_mdm"),
         "simplex_epsilon": (simplex.SimplexObjective, "loss", ("L, vocab, device)", "L, vocab)"),
                             "simplex_self_conditioned"),
-        "pu_canvas": (P, "loss", ("pool.canvas[rows, :width].to(device)", "pool.canvas[rows, :width]"),
+        "pu_canvas": (P, "_forward", ("pool.canvas[rows, :width].to(device)", "pool.canvas[rows, :width]"),
                       "straight_through"),
         "pu_carry": (P, "loss", ("pool.carry[rows, :width].to(device)", "pool.carry[rows, :width]"),
                      "carry_window_2"),
-        "pu_gumbel": (progressive, "gumbel_noise", (").to(device)", ")"), "gumbel_student_forcing"),
+        "pu_gumbel": (bridges, "gumbel_noise", (").to(device)", ")"), "gumbel_student_forcing"),
     }
 
 
@@ -360,8 +360,9 @@ def test_a_collective_off_its_backends_device_fails_the_check(monkeypatch):
 CPU_BY_DESIGN = {  # per-example noise, the PU pool's side and per-batch choices: made on the CPU, moved before use
     "noise.py": {"row_generators", "batch_generator", "rows_rand", "ids", "uniforms"},
     "block_mdm.py": {"sample_block_mask"},
-    "progressive.py": {"__init__", "plan", "_next_rows", "_end_window", "drop_carry", "gumbel_noise",
-                       "loss: torch.rand(len(rows), width, generator=g)"},  # student forcing: the pool's commits
+    "progressive.py": {"__init__", "plan", "_next_rows", "_end_window", "drop_carry",
+                       "_commit: torch.rand(len(rows), width, generator=g)"},  # student forcing: the pool's commits
+    "bridges.py": {"gumbel_noise"},
     "simplex.py": {"plan"},
 }
 

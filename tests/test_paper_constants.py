@@ -17,7 +17,7 @@ from dlm.diffusion import masking, progressive, simplex
 from dlm.sampling.options import MaskedOptions, SimplexOptions
 from dlm.training.objectives.block_mdm import BlockMDMObjective, block_mdm_loss
 from dlm.training.objectives.mdm import MDMObjective
-from dlm.training.objectives.progressive import pass_loss
+from dlm.training.objectives.pu_pass import pass_loss
 from dlm.training.objectives.simplex import SimplexObjective
 
 # --- TESS 2 App. A.1: the UL2 mixture ---------------------------------------------------------------------------
@@ -113,7 +113,7 @@ def test_mdm_weight_cap_and_z_loss_defaults_everywhere():
              "MDMObjective": _defaults(MDMObjective.__init__, "weight_cap", "z_loss"),
              "BlockMDMObjective": _defaults(BlockMDMObjective.__init__, "weight_cap", "z_loss"),
              "block_mdm_loss": _defaults(block_mdm_loss, "weight_cap", "z_loss"),
-             "progressive.pass_loss": _defaults(pass_loss, "weight_cap", "z_loss")}
+             "pu_pass.pass_loss": _defaults(pass_loss, "weight_cap", "z_loss")}
     for name, (cap, z) in where.items():
         assert cap == 5, f"{name}: PUMBA App. B.4 / Table 5: MDM loss weighting min(1/t, 5) (gamma = 5)"
         assert z == 1e-5, f"{name}: PUMBA App. B.4 / Table 5: z-loss weighted 1e-5"

@@ -444,7 +444,7 @@ def test_sampled_reinforce_score_has_no_drift_and_samples_the_model_distribution
     """E_a[grad log p(a)] = 0 when a ~ p (the mask token excluded): averaged over 4,000 draws it is ~0 (< 0.02 per
     logit), where the score of a fixed token (the teacher-forced reading, `reinforce`) has mean 1 - p on that token.
     The draws' frequencies match softmax without the mask token."""
-    from dlm.training.objectives.progressive import SampledReinforceBridge, gumbel_noise
+    from dlm.training.objectives.bridges import SampledReinforceBridge, gumbel_noise
 
     bridge = SampledReinforceBridge(1.0)
     logits = torch.tensor([[[2.0, 0.5, 3.0, -1.0, 1.0]]], requires_grad=True)  # token 2 (most likely) is the mask
@@ -597,7 +597,7 @@ def test_pu_plus_random_initial_masking_and_loss_balance():
 
 def test_fast_confidences_match_the_policy_definition():
     from dlm.diffusion.policies import confidences
-    from dlm.training.objectives.progressive import fast_confidences
+    from dlm.training.objectives.pu_pass import fast_confidences
 
     logits = torch.randn(3, 7, VOCAB, generator=G().manual_seed(0)) * 3
     logits[0, 0, MASK] = 20.0  # the mask token is the argmax here: the next best is taken

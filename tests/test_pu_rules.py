@@ -8,7 +8,7 @@ import torch
 
 from dlm.config import ProgressiveConfig
 from dlm.diffusion.progressive import StageConstruction, ThresholdConstruction, construction_for
-from dlm.training.objectives.progressive import pass_loss
+from dlm.training.objectives.pu_pass import pass_loss
 
 SRC = Path(__file__).parents[1] / "src" / "dlm"
 
