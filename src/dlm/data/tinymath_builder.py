@@ -2,8 +2,8 @@
 the question, the events that change them, distractors, and the wording; the program is written alongside.
 
 A draw that cannot be completed (no operation fits a quantity, no question fits the step count, a total or difference
-out of range) returns None, and the caller draws again from the same stream. Every random draw happens in a fixed order, so a seed always gives the same
-problems (tests/test_tinymath_frozen.py).
+out of range) returns None, and the caller draws again from the same stream. Every random draw happens in a fixed
+order, so a seed always gives the same problems (tests/test_tinymath_frozen.py).
 """
 
 from __future__ import annotations
