@@ -133,7 +133,7 @@ class DlmLM(LM):
 
     def get_model_info(self) -> dict:
         """What lm-eval adds to results["config"]: the model, its sampler settings and the cost of each task."""
-        tasks = {}
+        tasks: dict[str, dict] = {}
         for (task, kind), s in sorted(self.stats.items()):
             tasks.setdefault(task, {})[kind] = {
                 **s, "mean_nfe": s["nfe"] / max(s["requests"], 1),
@@ -252,7 +252,7 @@ def run_lm_eval(model_path: str | Path, task: str, options=None, *, n: int | Non
     manager = task_manager([task], include_path, metadata)  # an unknown task is said before the model loads
     lm = DlmLM(model_path, dtype=dtype, batch_size=batch_size, seed=seed, mc_num=mc_num, device=device,
                truncate_prompts=truncate_prompts, options=options)
-    gen_kwargs = {"max_gen_toks": max_new_tokens} if max_new_tokens else {}
+    gen_kwargs: dict[str, float | bool] = {"max_gen_toks": max_new_tokens} if max_new_tokens else {}
     if temperature is not None:
         gen_kwargs.update(temperature=temperature, do_sample=temperature > 0)
     results = simple_evaluate(

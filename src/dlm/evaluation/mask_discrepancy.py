@@ -50,9 +50,10 @@ def inference_masks(model, prompt: Sequence[int], N: int, mask_id: int, pad_id: 
                     u: int) -> dict[float, torch.Tensor]:
     """m_inf(t) for t on the grid: the mask after the first step with masked fraction ≤ t (greedy top-u; EOS never
     stops it, so all N positions are decoded; a carry model passes its carry as at evaluation)."""
-    out = masked_generate(model, [list(prompt)], N, eos_id=-1, pad_id=pad_id, mask_id=mask_id, policy="top_u",
-                          reveal_count=u, return_trace=True)
-    masks = [step["canvas"][0, -N:] == mask_id for step in out.trace]
+    steps: list[dict] = []  # each decoding step, appended as it happens
+    masked_generate(model, [list(prompt)], N, eos_id=-1, pad_id=pad_id, mask_id=mask_id, policy="top_u",
+                    reveal_count=u, trace=steps)
+    masks = [step["canvas"][0, -N:] == mask_id for step in steps]
     found = {}
     for t in GRID:
         for m in masks:
@@ -156,7 +157,7 @@ def mask_discrepancy(model, tok, records: Sequence[dict], training: str, constru
         if training == "pu":
             bins = pu_masks(model, prompt, response, tok.eos_token_id, tok.mask_token_id, construction, n_train,
                             generator, pools=pools, steps=steps)
-        values = []
+        values: list[float | None] = []
         for t in GRID:
             if t not in inf:
                 values.append(None)
@@ -166,8 +167,9 @@ def mask_discrepancy(model, tok, records: Sequence[dict], training: str, constru
             if masks is None:
                 values.append(None)
                 continue
-            values.append(mmd2(masks, inf[t], 0.2 * N))
-            sums[t] += values[-1]
+            value = mmd2(masks, inf[t], 0.2 * N)
+            values.append(value)
+            sums[t] += value
             counts[t] += 1
         per_problem.append(values)
     return {"training": training, "u": u, "n_problems": min(n_problems, len(records)), "n_train_masks": n_train,
@@ -205,6 +207,7 @@ def training_construction(model_path) -> RunConstruction:
 def _checkpoint_step(path: Path, run: Path) -> tuple[int | None, str | None]:
     """(step, its source) of the model at `path`: a checkpoint dir (`step_N` or `step_N/model`) holds its own
     trainer.pt; a run dir or its final model is at the run's latest checkpoint (written with the final model)."""
+    found: Path | None
     if (path / "trainer.pt").is_file():
         found = path / "trainer.pt"
     elif path.name == "model" and path.parent != run and (path.parent / "trainer.pt").is_file():

@@ -92,7 +92,7 @@ def encode_texts(tok, texts: Sequence[str], model, max_new_tokens: int, truncate
     span = generation_span(model.spec, max_new_tokens)
     out = [encode_text(tok, text, add_bos) for text in texts]
     over = [i for i, ids in enumerate(out) if context and len(ids) > context]
-    if not over:
+    if not context or not over:
         return out, 0
     longest = max(len(ids) for ids in out)
     hint = fit_hint(model.spec, context, max_new_tokens, longest, truncate, flags)

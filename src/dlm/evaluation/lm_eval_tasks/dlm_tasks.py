@@ -25,7 +25,7 @@ def tinymath_dataset(data: str | None = None, pretrained: str | None = None, lev
     records = None
     if data is not None or pretrained is not None:
         try:
-            records, _ = load_task("tinymath", data, pretrained)
+            records = load_task("tinymath", data, pretrained)[0]
         except DlmError:
             if data is not None:
                 raise
