@@ -100,7 +100,7 @@ class Trainer:
             model.enable_activation_checkpointing()
         self.n_params = count_parameters(model)
         self.n_trainable = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
-        model = self.parallel.wrap(model)  # FSDP2: sharded before the optimizer sees the parameters
+        model = self.parallel.wrap(model)  # FSDP2 splits the parameters before the optimizer sees them
         trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: adapters + dlm's modules
         decay, no_decay = [p for p in trainable if p.ndim >= 2], [p for p in trainable if p.ndim < 2]
         optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": oc.weight_decay},

@@ -272,8 +272,9 @@ class DeepSpeed(Replicated):
         model.step()
         applied = bool(model.was_step_applied())
         if applied and skip:
-            raise RuntimeError("DeepSpeed applied an update whose loss was NaN/inf; its overflow check did not see "
-                               "the poisoned gradient (report this with the DeepSpeed version)")
+            raise RuntimeError("DeepSpeed applied an update whose loss was NaN/inf: its overflow check did not see "
+                               "the NaN gradient dlm gave it; keep bf16.check_grad_overflow and "
+                               "zero_optimization.compute_grad_norm on in the DeepSpeed config")
         norm = model.get_global_grad_norm() if applied and grad_clip else None
         return applied, (float(norm) if norm is not None else None)
 

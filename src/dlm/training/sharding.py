@@ -3,8 +3,8 @@ for saving, and each rank's shards (weights, optimizer, EMA) for exact resume. U
 
 dlm applies `fully_shard` itself under `accelerate launch --use_fsdp --fsdp_version 2` rather than through
 `Accelerator.prepare`: accelerate enables FSDP only on accelerators (on CPU it silently runs DDP), and its FSDP2
-preparation unties the embedding from the LM head of a wrapped HF model. The trainer then owns gradient sync
-(`set_requires_gradient_sync`) and clipping; accelerate still launches, places and autocasts."""
+preparation unties the embedding from the LM head of a wrapped HF model. The FSDP2 strategy (`dlm.training.parallel`)
+then owns gradient sync (`set_requires_gradient_sync`) and clipping; accelerate still launches, places and autocasts."""
 
 from __future__ import annotations
 
