@@ -69,7 +69,7 @@ class Access:
         await self.app(scope, receive, send)
 
     def _refusal(self, scope) -> ApiError | None:
-        headers = {}
+        headers: dict[bytes, bytes] = {}
         for name, value in scope["headers"]:  # the first of each name, as the app reads them
             headers.setdefault(name, value)
         if self.check_host and b"host" in headers:  # a browser always sends Host; HTTP/1.0 tools may not

@@ -168,7 +168,7 @@ def parse(kind: type[_Request], body: Any) -> _Request:
 def _check_unicode(body: dict) -> None:
     """A 400 naming the field whose text is not Unicode: JSON's escapes can spell a lone surrogate ("\\udcff"),
     which no tokenizer (and no UTF-8 response) can take."""
-    todo = [((), body)]
+    todo: list[tuple[tuple[str, ...], object]] = [((), body)]
     while todo:
         path, value = todo.pop()
         where = ".".join(path) or None

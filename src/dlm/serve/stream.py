@@ -150,6 +150,8 @@ class Job:
         if self.sink is not None:  # the scheduler hands a step's events to the event loop at once
             self.sink.append((self, event))
             return
+        if self.loop is None:
+            raise RuntimeError("Job.post: the job has no event loop to deliver to; set job.loop before submitting it")
         try:
             self.loop.call_soon_threadsafe(self._queue, event)
         except RuntimeError:  # the event loop is closed: the server is stopping
@@ -222,6 +224,8 @@ class Job:
             self.post("text", i, delta)
 
     def _event(self, i, ids, masked, confidence, new, step) -> dict:
+        if self.pieces is None:
+            raise RuntimeError("Job: step events show each token's text; set job.pieces (the engine's Pieces)")
         eos = ids.index(self.eos_id) if self.eos_id in ids else None
         event = {"object": "dlm.denoise.step", "index": i, "step": self.nfe[i], "nfe": self.nfe[i], "tokens": ids,
                  "pieces": [p if not m else "" for p, m in zip(self.pieces(ids), masked)], "masked": masked,
