@@ -79,7 +79,7 @@ def markdown(summary: list[dict], meta: dict) -> str:
 
 
 def main() -> None:
-    from sampling_speed import build_parser as speed_parser  # this script's folder is on sys.path
+    from sampling_speed import build_parser as speed_parser  # a script beside this one
 
     flags = speed_parser(description=None).format_help().split("\n", 1)[1]  # its options, without its usage line
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,

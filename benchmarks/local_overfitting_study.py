@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 import local_overfitting as lo
-from studies import measures as measure_study
+from studies import measures
 from studies.measures import comparison_lines, header_lines, mean_sd
 from studies.plans import Plan, StudyError, fingerprint, problems_digest, subset
 from studies.tables import StudyTable
@@ -209,7 +209,7 @@ def plot_study(plan: Plan, table: StudyTable, path: Path) -> None:
 
 
 def main(argv=None) -> None:
-    measure_study.main(argv, description=__doc__, driver="local_overfitting_study.py", title="Local overfitting",
+    measures.main(argv, description=__doc__, driver="local_overfitting_study.py", title="Local overfitting",
                        check_plan=check_plan, run=run, report_lines=report_lines)
 
 

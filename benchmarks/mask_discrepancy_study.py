@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 import pumba_study
-from studies import measures as measure_study
+from studies import measures
 from studies.measures import GRID, compare, comparison_lines, header_lines, mean_sd, verdict  # noqa: F401
 from studies.plans import Plan, StudyError, fingerprint, problems_digest, subset
 from studies.tables import StudyTable
@@ -173,7 +173,7 @@ def plot_study(plan: Plan, table: StudyTable, path: Path) -> None:
 
 
 def main(argv=None) -> None:
-    measure_study.main(argv, description=__doc__, driver="mask_discrepancy_study.py", title="Mask discrepancy",
+    measures.main(argv, description=__doc__, driver="mask_discrepancy_study.py", title="Mask discrepancy",
                        check_plan=check_plan, run=run, report_lines=report_lines)
 
 

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 import tess2_tinymath as tt
-from studies import measures as measure_study
+from studies import measures
 from studies.measures import comparison_lines, header_lines, mean_sd
 from studies.plans import Plan, StudyError, problems_digest
 from studies.tables import StudyTable
@@ -183,7 +183,7 @@ def report_lines(plan: Plan, table: StudyTable, plan_path: str, json_path: str, 
 
 
 def main(argv=None) -> None:
-    measure_study.main(argv, description=__doc__, driver="tess2_shakespeare_study.py",
+    measures.main(argv, description=__doc__, driver="tess2_shakespeare_study.py",
                        title="TESS 2 on Shakespeare", check_plan=check_plan, run=run, report_lines=report_lines,
                        runs=False, plot=False)
 

@@ -131,7 +131,7 @@ def with_seed(command: str, seed: int | None) -> str:
 
 
 def parse_check(command: str) -> str | None:
-    from check_doc_commands import check, split_chain, target  # beside this script: its folder is sys.path[0]
+    from check_doc_commands import check, split_chain, target  # a script beside this one
 
     for words in split_chain(command):
         found = target(words)

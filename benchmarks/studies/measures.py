@@ -9,8 +9,8 @@ compared item by item.
 - `header_lines`, `comparison_lines`, `mean_sd`: the parts of a report every such driver writes alike.
 - `main`: the run / report command line of such a driver.
 
-Drivers: mask_discrepancy_study.py, local_overfitting_study.py, tess2_shakespeare_study.py; claims_table.py gives a
-claim on a measure table its verdict through `compare`.
+Drivers (benchmarks/): mask_discrepancy_study.py, local_overfitting_study.py, tess2_shakespeare_study.py;
+`studies.evidence` gives a claim on a measure table its verdict through `compare`.
 """
 
 from __future__ import annotations
