@@ -149,7 +149,11 @@ def check(kind: str, script: Path | None, argv: list[str]) -> str | None:
                 main(argv)
             else:
                 sys.argv = [str(script), *argv]
-                runpy.run_path(str(script), run_name="__main__")
+                sys.path.insert(0, str(script.parent))  # as `python script.py` does: its folder first (studies)
+                try:
+                    runpy.run_path(str(script), run_name="__main__")
+                finally:
+                    sys.path.remove(str(script.parent))
             return "ran to the end without parsing arguments (not checked)"
         except _Parsed as parsed:
             namespace = parsed.namespace
@@ -178,7 +182,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("docs", nargs="*", help="markdown files (default: README.md and docs/**/*.md)")
     args = ap.parse_args(argv)
     docs = [Path(d) for d in args.docs] or [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     checked, failures = 0, []
     for doc in docs:
         for number, line in commands(doc):

@@ -42,7 +42,8 @@ def add_demo_parser(sub) -> None:
                        "NFE, time) and renders the masked model's denoising step by step.")
     m.add_argument("--out", default="runs/demo", help="run directory (default: runs/demo)")
     m.add_argument("--minutes", type=float, default=9.0,
-                   help="training time budget, split over both stages in proportion to their updates (default: 9)")
+                   help="the training time you expect (default: 9): the demo estimates its time from its first "
+                   "updates and warns when the estimate exceeds this; every stage still trains all its updates")
     add_device_flags(m, "both stages train and decode (training: cpu keeps accelerate off the GPU; bfloat16 trains "
                      "in bf16 mixed precision)")
     m.set_defaults(func=demo_command)
