@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
 from dlm.modeling.blocks import block_causal_mask, canvas_blocks
 from dlm.sampling.steps import Progress
@@ -36,6 +36,9 @@ class InPlaceLayer(DynamicLayer):
     """One layer's keys (values) in a preallocated buffer [R, H, columns, D]: a forward of Q positions writes its keys
     at columns [start, start + Q) in place and attends columns [0, start + Q); nothing is copied. Used by `StepCache`
     (start = the kept positions) and by the continuous batch's shared cache (start = the columns in use)."""
+
+    keys: torch.Tensor  # always allocated, unlike a lazily initialised DynamicLayer's
+    values: torch.Tensor
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, start: int):
         super().__init__()
@@ -54,17 +57,18 @@ class StepCache(Cache):
     fresh cache of [kept | step] per step, without rebuilding and copying the kept part at every step."""
 
     def __init__(self, kept: list[tuple[torch.Tensor, torch.Tensor]], width: int):
-        layers = []
+        layers: list[InPlaceLayer] = []
         for k, v in kept:
             R, H, K, D = k.shape
             keys, values = k.new_empty(R, H, K + width, D), v.new_empty(R, H, K + width, v.shape[-1])
             keys[:, :, :K], values[:, :, :K] = k, v
             layers.append(InPlaceLayer(keys, values, K))
-        super().__init__(layers=layers)
+        super().__init__(layers=[*layers])
+        self.in_place = layers  # the same layer objects as self.layers, typed as InPlaceLayer
 
     def select(self, local: torch.Tensor) -> None:
         """Keep only the rows `local` (indices into the current rows)."""
-        for layer in self.layers:
+        for layer in self.in_place:
             layer.keys, layer.values = layer.keys[local], layer.values[local]
 
 
@@ -77,7 +81,14 @@ def _select(layers: list[tuple[torch.Tensor, torch.Tensor]], rows: torch.Tensor)
 
 
 def _tensors(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(layer.keys, layer.values) for layer in cache.layers]
+    """The (keys, values) of every layer of a cache that a forward pass has filled."""
+    out = []
+    for layer in cache.layers:
+        if not isinstance(layer, CacheLayerMixin) or layer.keys is None or layer.values is None:
+            raise RuntimeError(f"block decoding reads keys and values from every cache layer, but found {layer!r} "
+                               "empty or without them: the model must fill the cache it is given (use_cache=True)")
+        out.append((layer.keys, layer.values))
+    return out
 
 
 def _padding_mask(k_valid: torch.Tensor, q_len: int, dtype: torch.dtype) -> torch.Tensor:
@@ -103,7 +114,8 @@ def decode_block_causal(model, canvas, attention, positions, P, block_size, step
     uses_carry = bool(spec.carry)
     blocks = canvas_blocks(P, L - P, block_size, B, device)
     progress = Progress(canvas, P, eos_id, mask_id, trace)
-    prefix, members = None, None  # cached clean keys/values per layer, for the rows in `members`
+    # the clean keys/values per layer cached so far, and the rows they hold
+    cached: tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor] | None = None
     for s in range(P, L, block_size):
         e = s + block_size
         active = (~progress.done).nonzero().squeeze(1)
@@ -111,7 +123,7 @@ def decode_block_causal(model, canvas, attention, positions, P, block_size, step
             break
         # Fused pass: the clean block before this one (or the prompt) and this block's first step.
         c = 0 if s == P else s - block_size
-        cache = DynamicCache() if prefix is None else _select(prefix, torch.searchsorted(members, active))
+        cache = DynamicCache() if cached is None else _select(cached[0], torch.searchsorted(cached[1], active))
         noised = (torch.arange(e, device=device) >= s).expand(len(active), -1)  # the current block
         mask = block_causal_mask(blocks[active, c:e], noised[:, c:], blocks[active, :e], noised, attention[active, :e],
                                  dtype)
@@ -123,7 +135,8 @@ def decode_block_causal(model, canvas, attention, positions, P, block_size, step
             if uses_carry else None  # zero at a block's first step
         raw, hidden = _forward(model, canvas[active, c:e], inputs, carry, noised[:, c:] if uses_carry else None)
         cache.crop(s - e)  # back to the clean part (a negative count removes that many positions)
-        prefix, members = _tensors(cache), active
+        prefix = _tensors(cache)
+        cached = (prefix, active)
         boundary = raw[:, 0] if spec.label_shift else None  # raw[:, i] is the output at position c + first + i
         carry = hidden[:, s - c :] if uses_carry else None
         rows, logits, step_cache = active, _block_logits(raw[:, s - c - first :], boundary, block_size), None
@@ -145,7 +158,7 @@ def decode_block_causal(model, canvas, attention, positions, P, block_size, step
                 rows, step_mask, step_positions, in_block = (t[local] for t in (rows, step_mask, step_positions,
                                                                                  in_block))
                 boundary = boundary[local] if boundary is not None else None
-                carry = carry[local] if uses_carry else None
+                carry = carry[local] if carry is not None else None  # not None exactly when uses_carry
                 step_cache.select(local)
             inputs = dict(attention_mask=step_mask, position_ids=step_positions, cache=step_cache, use_cache=True)
             raw, carry = _forward(model, canvas[rows, s:e], inputs, carry, in_block if uses_carry else None)

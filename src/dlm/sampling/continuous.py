@@ -64,6 +64,18 @@ class Row:
         if not self.done and self.budget is not None and self.nfe >= self.budget:
             self.done = self.truncated = True
 
+    def segment(self) -> Segment:
+        """What the row computes in its next step."""
+        raise NotImplementedError
+
+    def advance(self, raw: torch.Tensor, hidden: torch.Tensor | None) -> None:
+        """The row's step from its segment's raw outputs [Q, V] and last hidden states [Q, d] (None without a carry)."""
+        raise NotImplementedError
+
+    def tokens(self) -> list[int]:
+        """The generated ids before the first EOS."""
+        raise NotImplementedError
+
 
 class _Masked(Row):
     """What both masked rows share: the canvas [1, P + G], the rule, the sampling draw, the step record."""
@@ -133,14 +145,18 @@ class MaskedRow(_Masked):
         carry = carry_mask = None
         if self.uses_carry:
             current = self.current()
+            carry = self.carry
+            assert carry is not None, "set by __init__ and by every advance under uses_carry"
             if self.reset and current != self.last_block:
-                self.carry = torch.zeros_like(self.carry)
+                carry = self.carry = torch.zeros_like(carry)
             self.last_block = current
-            carry, carry_mask = self.carry, torch.ones(L, dtype=torch.bool, device=self.canvas.device)
+            carry_mask = torch.ones(L, dtype=torch.bool, device=self.canvas.device)
         return Segment(self.canvas[0], self.positions, allowed, 0, carry, carry_mask)
 
     def advance(self, raw: torch.Tensor, hidden: torch.Tensor | None) -> None:
         if self.uses_carry:
+            if hidden is None:
+                raise ValueError("MaskedRow.advance: a model with a carry needs its hidden states (return_hidden=True)")
             self.carry = hidden
         logits = align_logits(raw[None], self.label_shift)[0, self.P :]
         masked = self.region() == self.mask_id

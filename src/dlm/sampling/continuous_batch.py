@@ -36,7 +36,7 @@ class Batch:
         self.cached = model.spec.family == "autoregressive" or model.spec.attention == "block_causal"
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
-        self.valid: torch.Tensor | None = None
+        self.valid = torch.zeros(0, 0, dtype=torch.bool)  # [rows, columns], allocated by `_reserve`
         self.C = 0
 
     def __len__(self) -> int:
@@ -45,7 +45,7 @@ class Batch:
     def _reserve(self, rows: int, columns: int) -> None:
         """Buffers of at least `rows` x `columns`, growing by doubling (the used part copied)."""
         model = self.model
-        R0, C0 = (0, 0) if self.valid is None else self.valid.shape
+        R0, C0 = self.valid.shape
         if rows <= R0 and columns <= C0:
             return
         R1, C1 = max(rows, 2 * R0 if rows > R0 else R0, 8), max(columns, 2 * C0 if columns > C0 else C0, 64)
@@ -53,8 +53,7 @@ class Batch:
         heads, head_dim = kv_shape(model.config)
         n = len(self.rows)
         valid = torch.zeros(R1, C1, dtype=torch.bool, device=param.device)
-        if self.valid is not None:
-            valid[:n, : self.C] = self.valid[:n, : self.C]
+        valid[:n, : self.C] = self.valid[:n, : self.C]
         keys, values = [], []
         for layer in range(model.config.num_hidden_layers):
             # zeros, not empty: a padding column is masked, but a NaN in uninitialised memory would still reach
@@ -148,16 +147,14 @@ class Batch:
         positions = torch.zeros(R, Q, dtype=torch.long, device=device)
         own = torch.eye(Q, dtype=torch.bool, device=device).repeat(R, 1, 1)  # padding queries see themselves only
         real = torch.zeros(R, Q, dtype=torch.bool, device=device)
-        uses_carry = any(s.carry is not None for s in segments)
-        carry = torch.zeros(R, Q, model.config.hidden_size, device=device, dtype=dtype) if uses_carry else None
-        carry_mask = torch.zeros(R, Q, dtype=torch.bool, device=device) if uses_carry else None
         for i, seg in enumerate(segments):  # each segment left-aligned, padded on the right
             q = len(seg.ids)
             ids[i, :q], positions[i, :q], own[i, :q, :q], real[i, :q] = seg.ids, seg.positions, seg.allowed, True
-            if seg.carry is not None:
-                carry[i, :q], carry_mask[i, :q] = seg.carry, seg.carry_mask
-        valid = None if C == 0 else (self.valid[a:b, :C] if run else self.valid[index, :C])
-        allowed = own if C == 0 else torch.cat([valid[:, None, :] & real[:, :, None], own], dim=2)
+        if C == 0:
+            allowed = own
+        else:
+            valid = self.valid[a:b, :C] if run else self.valid[index, :C]
+            allowed = torch.cat([valid[:, None, :] & real[:, :, None], own], dim=2)
         mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
         inputs = dict(attention_mask=mask[:, None], position_ids=positions, align=False)
         if self.cached:
@@ -166,7 +163,8 @@ class Batch:
             else:
                 buffers = [(k[index, :, : C + Q], v[index, :, : C + Q]) for k, v in zip(self.keys, self.values)]
             inputs.update(cache=Cache(layers=[InPlaceLayer(k, v, C) for k, v in buffers]), use_cache=True)
-        if uses_carry:
+        if any(s.carry is not None for s in segments):
+            carry, carry_mask = _carry(segments, Q, model.config.hidden_size, dtype)
             raw, hidden = model(ids, carry=carry, carry_mask=carry_mask, return_hidden=True, **inputs)
         else:
             raw, hidden = model(ids, **inputs), None
@@ -176,6 +174,20 @@ class Batch:
         for i, (row, seg) in enumerate(zip([self.rows[j] for j in group], segments)):
             q = len(seg.ids)
             row.advance(raw[i, :q], hidden[i, :q] if hidden is not None else None)
+
+
+def _carry(segments: list[Segment], Q: int, hidden_size: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The carry [R, Q, d] and carry mask [R, Q] of the segments right-padded to Q (zero on padding and on the rows
+    without a carry)."""
+    device = segments[0].ids.device
+    carry = torch.zeros(len(segments), Q, hidden_size, device=device, dtype=dtype)
+    carry_mask = torch.zeros(len(segments), Q, dtype=torch.bool, device=device)
+    for i, seg in enumerate(segments):
+        if seg.carry is not None:
+            if seg.carry_mask is None:
+                raise ValueError("a Segment with a carry needs its carry_mask (which of its positions take the carry)")
+            carry[i, : len(seg.ids)], carry_mask[i, : len(seg.ids)] = seg.carry, seg.carry_mask
+    return carry, carry_mask
 
 
 def _groups(widths: list[int], ratio: float) -> list[list[int]]:

@@ -92,7 +92,7 @@ def _check_layout(model, block_size: int | None, mask_id: int, eos_id: int, cach
     block_causal = getattr(spec, "attention", None) == "block_causal"
     uses_carry = bool(getattr(spec, "carry", False))
     if block_causal:
-        block_size = block_size or spec.block_size
+        block_size = block_size or getattr(spec, "block_size", None)
         if block_size is None:
             raise ValueError("a block-causal model needs a block_size: pass block_size= or set block_size in its "
                              "dlm.json")
@@ -141,14 +141,14 @@ def decode(model, canvas, attention, positions, P, block_size, step, eos_id, mas
         masked = canvas[sub, P:] == mask_id
         current = block_of[first_index(masked).clamp(max=gen_length - 1)]  # the first block with a mask
         inputs = dict(attention_mask=attention[sub], position_ids=positions[sub])
-        if block_causal:  # response block k has block id k + 1; it and every later block are noised
+        if blocks is not None:  # block-causal: response block k has block id k + 1; it and every later block are noised
             inputs["attention_mask"] = block_causal_mask(blocks[sub], blocks[sub] > current[:, None],
                                                          k_valid=attention[sub], dtype=dtype)
-        if uses_carry:
+        if carry is not None:  # uses_carry
             if reset_carry_per_block or block_causal:
                 carry[sub] = carry[sub] * (current == last_block[sub])[:, None, None].to(carry.dtype)
                 last_block[sub] = current
-            if block_causal:
+            if blocks is not None:
                 # the carry is passed on and received inside the current block only (App. B.4.3)
                 logits, hidden = model(canvas[sub], carry=carry[sub], carry_mask=blocks[sub] == current[:, None] + 1,
                                        return_hidden=True, **inputs)

@@ -22,6 +22,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from dlm.errors import DlmError
+from dlm.sampling.options import SamplingOptions
 from dlm.serve import protocol
 from dlm.serve.access import Access, rules
 from dlm.serve.batching import Batcher
@@ -114,10 +115,11 @@ def _request_handler(engine: Engine, batcher: Batcher, state: dict):
     until its response (or stream) ends, the job submitted to the batcher."""
     limits = engine.limits
 
-    async def handle(request: Request, kind):
+    async def handle(request: Request, kind: type[ChatRequest] | type[CompletionRequest]):
         _check_json_type(request)
         body = await _read_json(request, limits.max_body_bytes, limits.body_timeout_s)
         parsed = protocol.parse(kind, body)  # a slow or bad upload never holds a slot
+        assert isinstance(parsed, kind), "parse validates with `kind`"
         if state["active"] >= limits.max_concurrent:
             raise ApiError(429, f"the server is busy ({limits.max_concurrent} requests under way, dlm serve "
                            "--max-concurrent); retry shortly", None, "rate_limit_exceeded", "rate_limit_error")
@@ -145,7 +147,7 @@ def _request_handler(engine: Engine, batcher: Batcher, state: dict):
 
 
 def _once(fn):
-    done = []
+    done: list[bool] = []
 
     def call():
         if not done:
@@ -278,16 +280,18 @@ def _response(job: Job, results: list[dict], chat: bool, engine: Engine) -> JSON
 def _usage(job: Job, results: list[dict], engine: Engine) -> dict:
     """usage (prompts counted once each), NFE per choice, and the sampling options the job decoded with (those in
     effect: no tau under top_u, no kv_cache on a full-canvas model)."""
+    options = job.options
+    assert isinstance(options, SamplingOptions), "Engine.prepare gives every job its SamplingOptions"
     prompt_tokens = sum(len(p) for p in _distinct(job.rows))
     completion = sum(r["completion_tokens"] for r in results)
     return {"usage": protocol.usage(prompt_tokens, completion), "nfe": [r["nfe"] for r in results],
             "sampling": {"family": job.family, "max_tokens": job.max_tokens, "temperature": job.temperature,
-                         **job.options.in_effect(engine.spec)}}
+                         **options.in_effect(engine.spec)}}
 
 
 def _distinct(rows: list[list[int]]) -> list[list[int]]:
     """Each prompt once: a request's rows repeat each prompt (the same list) n times in a row."""
-    out = []
+    out: list[list[int]] = []
     for r in rows:
         if not out or out[-1] is not r:
             out.append(r)

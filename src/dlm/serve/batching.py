@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dlm.errors import DlmError
 from dlm.modeling.device import make_generator
 from dlm.sampling import generate
-from dlm.sampling.continuous import Batch, has_rows, make_row
+from dlm.sampling.continuous import Batch, Row, has_rows, make_row
 from dlm.serve.stream import Job, StepFeed
 
 log = logging.getLogger("dlm.serve")
@@ -55,7 +55,7 @@ class Batcher:
         self.max_batch_size, self.window_s, self.continuous, self.max_nfe = max_batch_size, window_s, continuous, \
             max_nfe
         self.pending: list[Job] = []
-        self.active: list[tuple[Job, int, object]] = []  # (job, choice index, row) of the running jobs
+        self.active: list[tuple[Job, int, Row]] = []  # (job, choice index, row) of the running jobs
         self.batch = Batch(model, tok.pad_token_id)  # their rows still decoding
         self.current: list[Job] = []  # a whole batch being decoded
         self.stats = {"steps": 0, "rows": 0, "largest_batch": 0, "batches": 0, "abandoned": 0, "failed": 0}

@@ -8,9 +8,10 @@ import asyncio
 import random
 import threading
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import TypeAdapter, ValidationError
+from pydantic.fields import FieldInfo
 
 from dlm.data.prompts import generation_span
 from dlm.errors import OptionsError
@@ -51,7 +52,7 @@ class Engine:
         self.lock = threading.Lock()  # one tokenizer call at a time (request threads and the decoding thread)
         self.decode = serialized(self.tok.decode, self.lock)
         self.pieces = Pieces(self.decode, self.tok.all_special_ids)
-        self._types = {k: TypeAdapter(Annotated[(f.annotation, *f.metadata)] if f.metadata else f.annotation)
+        self._types = {k: TypeAdapter(_option_type(f))
                        for k, f in options_class(self.family).model_fields.items()}  # each option, checked strictly
 
     def describe(self) -> dict:
@@ -82,7 +83,10 @@ class Engine:
         if max_tokens > self.limits.max_tokens:
             raise ApiError(400, f"max_tokens {max_tokens} is over this server's limit of {self.limits.max_tokens} "
                            "(dlm serve --max-tokens)", "max_tokens", "max_tokens_exceeded")
-        prompts = [self._chat_ids(request)] if chat else [self._prompt_ids(p) for p in request.prompts]
+        if isinstance(request, ChatRequest):
+            prompts = [self._chat_ids(request)]
+        else:
+            prompts = [self._prompt_ids(p) for p in request.prompts]
         self._check_lengths(prompts, max_tokens, "messages" if chat else "prompt")
         n_rows = len(prompts) * request.n
         if n_rows > self.limits.max_batch_size:
@@ -106,7 +110,8 @@ class Engine:
     def _options(self, request):
         """The request's sampling options over the defaults; another family's option, or one the request's policy
         does not read, is a 400 naming it (`SamplingOptions.override`: tau without a policy selects threshold)."""
-        values, given = {}, {}
+        values: dict[str, Any] = {}
+        given: dict[str, str] = {}  # option name -> the key the request gave it under
         for key, value in request.options.items():
             name = option_name(key)
             if name in given:
@@ -133,8 +138,9 @@ class Engine:
             raise ApiError(400, str(err), given[err.field], "unused_option") from None
         except OptionsError as err:
             raise ApiError(400, str(err), next(iter(given.values()), None)) from None
-        if getattr(options, "cache", None) and (self.spec.attention == "block_causal" or self.spec.carry):
-            raise ApiError(400, f"cache {options.cache} (Fast-dLLM) is for full-canvas models without a carry; this "
+        cache = getattr(options, "cache", None)  # masked options only
+        if cache and (self.spec.attention == "block_causal" or self.spec.carry):
+            raise ApiError(400, f"cache {cache} (Fast-dLLM) is for full-canvas models without a carry; this "
                            "model decodes with its exact kv_cache instead: leave cache out", given.get("cache"))
         return options
 
@@ -174,3 +180,11 @@ class Engine:
         if limit is not None and longest > limit:
             raise ApiError(400, f"{param}: the prompt is {longest} tokens, over the limit of {limit} ({why}); "
                            "shorten it or lower max_tokens", param, "context_length_exceeded")
+
+
+def _option_type(field: FieldInfo) -> Any:
+    """An option's type with its constraints (the field's Annotated metadata), for a TypeAdapter."""
+    if not field.metadata:
+        return field.annotation
+    params = (field.annotation, *field.metadata)  # Annotated[T, *metadata] is 3.11 syntax; a tuple works on 3.10
+    return Annotated[params]

@@ -18,6 +18,7 @@ App. F.6.1) and the training-time threshold on/off (App. F.7). The bridges: `bri
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -37,6 +38,14 @@ def _collective_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
+class ExampleStream(Protocol):
+    """What the pool refills from (`dlm.data.pipeline.BatchStream`)."""
+
+    def take(self, n: int) -> list: ...
+
+    def take_shared(self, count: int, start: int, n: int) -> list: ...
+
+
 @dataclass
 class _Window:
     """What every pass of one BPTT window reads: its rows of the pool, their width, and the fixed tensors."""
@@ -46,7 +55,7 @@ class _Window:
     device: torch.device
     loss_mask: torch.Tensor  # [R, width] positions in the loss
     attention: torch.Tensor  # [R, width]
-    blocks: tuple | None  # block PUMBA: (prompt length, canvas length) of each row
+    blocks: tuple[torch.Tensor, torch.Tensor] | None  # block PUMBA: (prompt length, canvas length) of each row
     group: torch.Tensor | None  # block PUMBA: block id of each position
     embed: torch.nn.Embedding
     bridge: Bridge
@@ -62,7 +71,7 @@ class ProgressiveObjective:
                  world: int = 1):
         self.cfg, self.mask_token_id, self.block_size = cfg, mask_token_id, block_size
         self.seed, self.rank, self.world = seed, rank, world
-        self.stream = None
+        self.stream: ExampleStream | None = None
         self.weight_cap, self.z_loss = weight_cap, z_loss
         self.batch_size, self.grad_accum, self.max_length = batch_size, grad_accum, max_length
         self.generator = torch.Generator().manual_seed(seed * 1_000_003 + rank + 7)
@@ -76,7 +85,7 @@ class ProgressiveObjective:
         """The construction at the current update (the same rule mask discrepancy rebuilds for a run)."""
         return construction_for(self.cfg, self.updates, self.block_size)
 
-    def attach(self, stream, collate, carry_dim: int | None) -> None:
+    def attach(self, stream: ExampleStream, collate, carry_dim: int | None) -> None:
         """Bind the data stream the pool refills from (called by the trainer before the first update)."""
         size = self.batch_size * self.grad_accum * self.cfg.pool_factor
         self.stream = stream
@@ -86,6 +95,18 @@ class ProgressiveObjective:
         if self._pending_state is not None:
             self._load_pool(self._pending_state)
             self._pending_state = None
+
+    def _attached(self) -> TrajectoryPool:
+        """The pool, which `attach` builds."""
+        if self.pool is None:
+            raise RuntimeError("the pu objective needs attach(stream, collate, carry_dim) before training")
+        return self.pool
+
+    def _stream(self) -> ExampleStream:
+        """The data stream the pool refills from, which `attach` binds."""
+        if self.stream is None:
+            raise RuntimeError("the pu objective needs attach(stream, collate, carry_dim) before drawing examples")
+        return self.stream
 
     # ---- one window -----------------------------------------------------------------------------------------------
     def plan(self, batch=None, update: int = 0, micro: int = 0) -> dict:
@@ -99,9 +120,7 @@ class ProgressiveObjective:
         its width, the number of passes, the loss denominators and the refills are global, and the carry dropout
         is keyed by global row, so 2 processes × b follow 1 process × 2b (threshold construction; student forcing,
         Gumbel noise, random initial masking and the stage construction draw from this rank's generator)."""
-        if self.pool is None:
-            raise RuntimeError("the pu objective needs attach(stream, collate, carry_dim) before training")
-        pool = self.pool
+        pool = self._attached()
         window = self._open_window(model, self._next_rows())
         rows, width, device = window.rows, window.width, window.device
         carry = pool.carry[rows, :width].to(device) if pool.carry is not None else None
@@ -137,7 +156,7 @@ class ProgressiveObjective:
     def _open_window(self, model, rows: torch.Tensor) -> _Window:
         """What the window's passes share, on the model's device. Like a collated batch, the chunk is cut to its
         longest canvas over all ranks (padding beyond it is never attended)."""
-        cfg, pool = self.cfg, self.pool
+        cfg, pool = self.cfg, self._attached()
         device = next(model.parameters()).device
         width = int(self._all(pool.lengths[rows].max(), "max"))
         loss_mask = pool.loss_mask[rows, :width].to(device)
@@ -155,7 +174,7 @@ class ProgressiveObjective:
     def _forward(self, model, window: _Window, carry: torch.Tensor | None, pass_index: int) -> tuple:
         """One pass of the window (checkpointed when configured): its carry dropped out per row, the bridge's noise
         drawn; returns `Pass`'s (ce, lse, confidence, token, hidden, soft)."""
-        cfg, pool, g = self.cfg, self.pool, self.generator
+        cfg, pool, g = self.cfg, self._attached(), self.generator
         rows, width, device = window.rows, window.width, window.device
         keep = None
         if carry is not None and cfg.carry_drop_prob > 0:
@@ -175,7 +194,7 @@ class ProgressiveObjective:
         ground truth with probability eps), then the pass's loss: (loss, t, reveal)."""
         rows, width, device, g = window.rows, window.width, window.device, self.generator
         keep_truth = (torch.rand(len(rows), width, generator=g) < window.eps) if window.eps < 1.0 else None
-        reveal, _ = self.pool.advance(rows, conf.detach().cpu(), token.detach().cpu(), keep_truth, width)
+        reveal, _ = self._attached().advance(rows, conf.detach().cpu(), token.detach().cpu(), keep_truth, width)
         reveal = reveal[:, :width].to(device)
         step_loss, t, _ = pass_loss(ce, lse, in_loss, window.loss_mask, reveal, self.weight_cap, self.z_loss,
                                     window.group, self.cfg.balance_lambda, self._all if self.world > 1 else None)
@@ -183,13 +202,13 @@ class ProgressiveObjective:
 
     def _next_rows(self) -> torch.Tensor:
         """The chunk of the pool this micro-batch advances (PU+: chunks are visited in turn)."""
-        chunk = self.micro % (self.pool.size // self.batch_size)
+        chunk = self.micro % (self._attached().size // self.batch_size)
         return torch.arange(chunk * self.batch_size, (chunk + 1) * self.batch_size)
 
     def _end_window(self, rows: torch.Tensor, width: int, carry: torch.Tensor | None) -> int:
         """Window boundary (Algorithm 1, line 14): detach and store the carry, refill the retired trajectories;
         returns how many retired."""
-        pool = self.pool
+        pool = self._attached()
         if pool.carry is not None and carry is not None:
             stored = torch.zeros(len(rows), pool.length, carry.shape[-1])
             stored[:, :width] = carry.detach().float().cpu()
@@ -198,7 +217,7 @@ class ProgressiveObjective:
         if self.world > 1:  # refill in global row order from the shared stream, as one process would
             counts = self._gather(torch.tensor([len(retired)]))
             start = int(counts[: self.rank].sum())
-            pool.refill(retired, examples=self.stream.take_shared(int(counts.sum()), start, len(retired)))
+            pool.refill(retired, examples=self._stream().take_shared(int(counts.sum()), start, len(retired)))
         else:
             pool.refill(retired)
         self.micro += 1
@@ -210,8 +229,8 @@ class ProgressiveObjective:
         """n examples from the stream; the pool's first fill chunk by chunk under several ranks, so that chunk c of
         rank r holds the examples of global rows c·W·b + r·b ... (as one process with the whole pool would)."""
         if self.world == 1 or n % self.batch_size:
-            return self.stream.take(n)
-        return [e for _ in range(n // self.batch_size) for e in self.stream.take(self.batch_size)]
+            return self._stream().take(n)
+        return [e for _ in range(n // self.batch_size) for e in self._stream().take(self.batch_size)]
 
     def _global_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """Index of each local row in the global pool (chunk c of rank r holds global rows c·W·b + r·b + j)."""
@@ -242,8 +261,9 @@ class ProgressiveObjective:
     def _end_update(self) -> None:
         self.updates += 1
         construction = self.construction()
-        if isinstance(construction, StageConstruction) and construction.K != self.pool.construction.K:
-            self.pool.restart_all(construction)  # a change of K restarts every trajectory (Table 4 note)
+        pool = self._attached()
+        if isinstance(construction, StageConstruction) and construction.K != pool.construction.K:
+            pool.restart_all(construction)  # a change of K restarts every trajectory (Table 4 note)
 
     # ---- persistence ----------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -260,9 +280,10 @@ class ProgressiveObjective:
             self._load_pool(state)
 
     def _load_pool(self, state: dict) -> None:
-        self.pool.construction = self.construction()
+        pool = self._attached()
+        pool.construction = self.construction()
         if state["pool"] is not None:
-            self.pool.load_state_dict(state["pool"])
+            pool.load_state_dict(state["pool"])
 
 
 def drop_carry(carry: torch.Tensor | None, drop_prob: float, generator: torch.Generator,

@@ -25,9 +25,11 @@ def embedding(model):
 class Pass:
     """One forward pass of a window as a function of (canvas, carry, bridge delta), for activation checkpointing.
     Returns per-position CE against the targets and log-sum-exp [B, L] (fp32), confidence and argmax [B, L] (no
-    gradient), the last hidden state [B, L, d], and the bridge's soft embedding q·E (or None)."""
+    gradient), the last hidden state [B, L, d], and the bridge's soft embedding q·E (or None). `blocks`: block PUMBA's
+    (prompt length, canvas length) of each row."""
 
-    def __init__(self, model, embed, attention, targets, bridge: Bridge, noise, blocks=None):
+    def __init__(self, model, embed, attention, targets, bridge: Bridge, noise,
+                 blocks: tuple[torch.Tensor, torch.Tensor] | None = None):
         self.model, self.embed, self.attention, self.targets = model, embed, attention, targets
         self.bridge, self.noise, self.blocks = bridge, noise, blocks
 

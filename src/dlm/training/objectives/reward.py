@@ -15,7 +15,7 @@ from dlm.modeling.reward import REWARD_HEAD, bradley_terry_loss, last_token_inde
 def scores_through_wrapper(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
     """(R [2B] at each canvas's EOS, the LM logits of the same forward)."""
     inner = getattr(model, "module", model)
-    captured = {}
+    captured: dict[str, torch.Tensor] = {}
     hook = inner.backbone.base_model.register_forward_hook(
         lambda module, args, output: captured.__setitem__("hidden", output.last_hidden_state))
     try:
