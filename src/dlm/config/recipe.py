@@ -115,6 +115,7 @@ class Recipe(Strict):
         if self.train.objective == "pu":
             if p.construction != "threshold":
                 raise ValueError("block PUMBA uses the threshold construction (progressive.construction: threshold)")
+            assert m.block_size is not None  # ModelConfig requires block_size with block_causal attention
             steps = -(-m.block_size // p.reveal_count)
             if p.window > steps:
                 raise ValueError(f"progressive.window {p.window} exceeds the ceil(block_size / reveal_count) = "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from dlm.config.recipe import Recipe
@@ -27,7 +27,7 @@ def smoke_scaled(recipe: Recipe) -> Recipe:
     """`recipe` with SMOKE_CAPS applied under DLM_SMOKE (and no time cap), else `recipe` unchanged."""
     if not smoke():
         return recipe
-    sections = {}
+    sections: dict[str, dict[str, Any]] = {}
     for key, cap in SMOKE_CAPS.items():
         section, field = key.split(".")
         value = getattr(getattr(recipe, section), field)

@@ -110,8 +110,8 @@ def read_works(archive: str | Path) -> dict[str, str]:
             works = {}
             for member in tar.getmembers():
                 m = TEXTS.match(member.name)
-                if m and member.isfile():
-                    raw = tar.extractfile(member).read()
+                if m and member.isfile() and (file := tar.extractfile(member)) is not None:  # None: not a file
+                    raw = file.read()
                     works[m.group(1)] = io.TextIOWrapper(io.BytesIO(raw), encoding="latin-1", newline=None).read()
     except (OSError, tarfile.TarError, EOFError) as err:
         raise ShakespeareError(f"{archive}: not a readable {ARCHIVE_NAME} ({err})") from None

@@ -101,7 +101,8 @@ def generate_splits(n_train: int, n_val: int, n_test: int, level: str | Difficul
     """Train/validation/test records, disjoint by prompt; test and validation do not depend on n_train."""
     lv, seen, out = _resolve(level), set(), {}
     for split, n in (("test", n_test), ("validation", n_val), ("train", n_train)):
-        rng, records = random.Random(f"tinymath:{seed}:{split}"), []
+        rng = random.Random(f"tinymath:{seed}:{split}")
+        records: list[dict] = []
         for _ in range(50 * n + 1000):
             if len(records) >= n:
                 break
@@ -118,7 +119,8 @@ def generate_splits(n_train: int, n_val: int, n_test: int, level: str | Difficul
 def generate_unseen_test(n: int, level: str | Difficulty = "medium", seed: int = 0) -> list[dict]:
     """`n` distinct problems in the unseen phrasing (records carry "phrasing": "unseen"), from their own rng stream:
     they do not depend on the seen splits' sizes, and share no sentence template with them."""
-    lv, seen, records = _resolve(level), set(), []
+    lv, seen = _resolve(level), set()
+    records: list[dict] = []
     rng = random.Random(f"tinymath:{seed}:test_unseen")
     for _ in range(50 * n + 1000):
         if len(records) >= n:
@@ -173,8 +175,8 @@ def _mutate(rng: random.Random, code: str) -> str | None:
             return None
         s = rng.choice(spots)
         old = int(s.group())
-        new = max(1, old + rng.choice((-3, -2, -1, 1, 2, 3, 5, 10))) if rng.random() < 0.8 else old * 2
-        return f"{code[:s.start()]}{new}{code[s.end():]}"
+        number = max(1, old + rng.choice((-3, -2, -1, 1, 2, 3, 5, 10))) if rng.random() < 0.8 else old * 2
+        return f"{code[:s.start()]}{number}{code[s.end():]}"
     lines = code.split("\n")
     i = rng.randrange(1, len(lines))
     how = rng.choice(("colon", "operand", "equals", "paren"))

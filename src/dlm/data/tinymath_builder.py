@@ -239,7 +239,8 @@ class ProblemBuilder:
         op, arg = picked
         template, amount_name = self.rng.choice(self.templates.event[op])
         prefix = "" if len(self.holders) == 1 else holder.person[0].lower() + "_"
-        result_names = tuple(prefix + name for name in _EVENT_RESULT_NAMES.get(op, (TIMES_RESULTS.get(arg),)))
+        names = _EVENT_RESULT_NAMES[op] if op in _EVENT_RESULT_NAMES else (TIMES_RESULTS[arg],)  # "*": arg in 2..4
+        result_names = tuple(prefix + name for name in names)
         if op in "+-":
             amount = self.assign((amount_name,), str(arg))
             holder.variable = self.assign(result_names, f"{holder.variable} {op} {amount}")
@@ -336,11 +337,12 @@ class ProblemBuilder:
         question = self.choose_question(target_steps - steps)
         if question is None:
             return None
-        events = []
+        events: list[Sentence] = []
         for _ in range(target_steps - steps - question.cost):
-            events.append(self.add_event(self.holders[rng.choice(question.targets)], bystanders))
-            if events[-1] is None:
+            event = self.add_event(self.holders[rng.choice(question.targets)], bystanders)
+            if event is None:
                 return None
+            events.append(event)
         asked = self.ask(question, after_events=bool(events))
         if asked is None:
             return None

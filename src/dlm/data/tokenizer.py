@@ -12,6 +12,7 @@ import shutil
 import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import cast
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
@@ -36,7 +37,7 @@ CHAT_TEMPLATE = (
 
 
 def train_bpe_tokenizer(texts: Sequence[str], vocab_size: int = 1024,
-                        cache_dir: str | Path | None = None) -> PreTrainedTokenizerFast:
+                        cache_dir: str | Path | None = None) -> PreTrainedTokenizerBase:
     """Train (or load from cache) a byte-level BPE on `texts`; deterministic for the same texts and size."""
     key = hashlib.sha256(("\x00".join(texts) + f"|{vocab_size}").encode()).hexdigest()[:16]
     cached = Path(cache_dir) / f"bpe-{vocab_size}-{key}" if cache_dir else None
@@ -85,6 +86,7 @@ def model_tokenizer(source: str | Path | ResolvedModel) -> PreTrainedTokenizerBa
             return AutoTokenizer.from_pretrained(str(source))
         source = resolve_model(source)
     if source.release is not None:
+        assert source.spec is not None  # resolve_model gives every release the spec its format implies
         with tempfile.TemporaryDirectory() as tmp:
             write_release_tokenizer(source.path, Path(tmp), source.release, source.spec)
             tok = AutoTokenizer.from_pretrained(tmp)
@@ -144,7 +146,8 @@ def ensure_special_tokens(tok: PreTrainedTokenizerBase) -> PreTrainedTokenizerBa
 
 def render_prompt(tok: PreTrainedTokenizerBase, prompt: str) -> str:
     """The text the model sees before its response, through the tokenizer's chat template."""
-    return tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+    text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+    return cast(str, text)  # tokenize=False returns the rendered string; the stub types every return mode at once
 
 
 def encode_pair(tok: PreTrainedTokenizerBase, prompt: str, response: str) -> tuple[list[int], list[int]]:

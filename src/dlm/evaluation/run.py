@@ -53,7 +53,12 @@ def load_task(task: str, data: str | Path | None = None, model_path: str | Path 
 
         records, source = load_problems(data), str(data or problems_file())
     else:
-        path = Path(data) if data else default_task_file(model_path, task)
+        if data:
+            path = Path(data)
+        elif model_path is not None:
+            path = default_task_file(model_path, task)
+        else:
+            raise DataError(f"no --data given and no model whose {task} test split to read; pass --data PATH.jsonl")
         records, source = read_jsonl(path, required=("prompt", "response")), str(path)
         if any("answer" not in r for r in records):
             raise DataError(f"{path}: every record needs an 'answer' field to be graded")
@@ -78,12 +83,13 @@ def evaluate_task(task: str, model, tok, records: Sequence[dict], options=None, 
 
 def default_max_new_tokens(task: str, model_path: str | Path | None = None) -> int:
     """HumanEval gets 512 (LLaDA's HumanEval generation length); tinymath the length the model's run tested with
-    (its recipe's eval.max_new_tokens: a canvas past what the model trained on only costs time), else 128."""
+    (its recipe's eval.max_new_tokens: a canvas past what the model trained on only costs time), else
+    GENERATION_LENGTH (128)."""
     if task == "humaneval":
         return 512
-    from dlm.config import run_generation_length
+    from dlm.config import GENERATION_LENGTH, run_generation_length
 
-    return run_generation_length(model_path, 128) if model_path is not None else 128
+    return run_generation_length(model_path, GENERATION_LENGTH) if model_path is not None else GENERATION_LENGTH
 
 
 def task_baseline(task: str, records: Sequence[dict]) -> float | None:

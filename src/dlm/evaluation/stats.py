@@ -20,23 +20,23 @@ class PairingError(DlmError, ValueError):
 
 def paired_outcomes(a: Sequence[bool], b: Sequence[bool]) -> tuple[np.ndarray, np.ndarray]:
     """Two arms' per-problem outcomes as bool arrays; refused unless both have the same, non-zero number."""
-    a, b = np.asarray(a, dtype=bool).ravel(), np.asarray(b, dtype=bool).ravel()
-    if len(a) != len(b):
-        raise PairingError(f"paired comparison: arm a has {len(a)} per-problem outcomes and arm b has {len(b)}; "
-                           "score both arms on the same problems in the same order")
-    if len(a) == 0:
+    arm_a, arm_b = np.asarray(a, dtype=bool).ravel(), np.asarray(b, dtype=bool).ravel()
+    if len(arm_a) != len(arm_b):
+        raise PairingError(f"paired comparison: arm a has {len(arm_a)} per-problem outcomes and arm b has "
+                           f"{len(arm_b)}; score both arms on the same problems in the same order")
+    if len(arm_a) == 0:
         raise PairingError("paired comparison: both arms have 0 per-problem outcomes; nothing to compare")
-    return a, b
+    return arm_a, arm_b
 
 
 def mcnemar_exact(a: Sequence[bool], b: Sequence[bool]) -> dict:
     """Two-sided exact McNemar test: under H0 the discordant problems split Binom(only_a + only_b, 1/2);
     p = min(1, 2·P[X ≤ min(only_a, only_b)])."""
-    a, b = paired_outcomes(a, b)
-    only_a, only_b = int(np.sum(a & ~b)), int(np.sum(~a & b))
+    arm_a, arm_b = paired_outcomes(a, b)
+    only_a, only_b = int(np.sum(arm_a & ~arm_b)), int(np.sum(~arm_a & arm_b))
     m, k = only_a + only_b, min(only_a, only_b)
     tail = Fraction(sum(math.comb(m, i) for i in range(k + 1)), 2 ** m)
-    return {"n": len(a), "accuracy_a": float(a.mean()), "accuracy_b": float(b.mean()),
+    return {"n": len(arm_a), "accuracy_a": float(arm_a.mean()), "accuracy_b": float(arm_b.mean()),
             "only_a": only_a, "only_b": only_b, "p_value": float(min(Fraction(1), 2 * tail))}
 
 
@@ -45,13 +45,13 @@ def paired_bootstrap_ci(a: Sequence[bool], b: Sequence[bool], n_resamples: int =
     """Percentile bootstrap CI of accuracy(a) − accuracy(b), resampling problems with replacement. Each problem's
     difference is −1, 0 or +1, so a resample of n problems is exactly a multinomial draw of those three counts:
     vectorised over resamples in O(n_resamples) memory."""
-    a, b = paired_outcomes(a, b)
+    arm_a, arm_b = paired_outcomes(a, b)
     if not 0 < confidence < 1:
         raise DlmError(f"paired_bootstrap_ci: confidence={confidence} must lie strictly between 0 and 1, e.g. 0.95")
     if n_resamples < 1:
         raise DlmError(f"paired_bootstrap_ci: n_resamples={n_resamples} must be at least 1, e.g. 10000")
-    n = len(a)
-    plus, minus = int(np.sum(a & ~b)), int(np.sum(~a & b))
+    n = len(arm_a)
+    plus, minus = int(np.sum(arm_a & ~arm_b)), int(np.sum(~arm_a & arm_b))
     flip = minus > plus  # draw with the larger count first, so swapping the arms negates the CI exactly
     hi, lo = max(plus, minus), min(plus, minus)
     counts = np.random.default_rng(seed).multinomial(n, np.array([hi, lo, n - hi - lo]) / n, size=n_resamples)

@@ -55,7 +55,10 @@ def run_sweep(models: Sequence[str | Path], data: str | Path | None = None, opti
     name, values = parse_sweep(sweep, options)
     records, source = load_task(task, data, models[0] if models else None, n)
     max_new_tokens = max_new_tokens or default_max_new_tokens(task, models[0])
-    rows, lines, outcomes, where = [], [], [], {}
+    rows: list[dict] = []
+    lines: list[dict] = []
+    outcomes: list[list[bool] | None] = []
+    where: dict = {}
     for path in models:
         model, tok = load_for_inference(path, dtype=dtype, device=device)
         where = where or placement(model)
@@ -64,8 +67,8 @@ def run_sweep(models: Sequence[str | Path], data: str | Path | None = None, opti
         notes = ignored(family, options, model.spec)
         if progress and notes:
             print(f"{Path(path).name} ({family}) ignores {', '.join(notes)}")
-        for value in values if OWNER.get(name) == family else [None]:
-            opts = base if value is None else base.replace(**{name: value})
+        for value in values if name is not None and OWNER.get(name) == family else [None]:
+            opts = base if value is None or name is None else base.replace(**{name: value})
             r = evaluate_task(task, model, tok, records, opts, batch_size=batch_size, max_new_tokens=max_new_tokens,
                               seed=seed, progress=progress, truncate_prompts=truncate_prompts, temperature=temperature,
                               samples_per_problem=samples_per_problem, ks=ks)
@@ -74,9 +77,10 @@ def run_sweep(models: Sequence[str | Path], data: str | Path | None = None, opti
                     "ms_per_problem")
             rows.append({"model": str(path), "family": family, **setting, **{k: r[k] for k in keys}})
             graded = all("correct" in x for x in r["samples"])
-            outcomes.append([bool(x["correct"]) for x in r["samples"]] if graded else None)
-            if graded and samples_per_problem == 1:  # per-problem outcomes, so later comparisons can be paired
-                rows[-1]["correct"] = [int(c) for c in outcomes[-1]]
+            correct = [bool(x["correct"]) for x in r["samples"]] if graded else None
+            outcomes.append(correct)
+            if correct is not None and samples_per_problem == 1:  # per-problem outcomes, for paired comparisons
+                rows[-1]["correct"] = [int(c) for c in correct]
             lines += [{"model": str(path), "family": family, "task": task, **setting, **s} for s in r["samples"]]
             if progress:
                 shown = ", ".join(f"{k}={v}" for k, v in setting.items() if v is not None)

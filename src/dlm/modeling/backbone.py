@@ -8,6 +8,7 @@ in plain transformers with the same attention.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -95,15 +96,20 @@ def kv_shape(config) -> tuple[int, int]:
         getattr(config, "head_dim", None) or config.hidden_size // heads
 
 
-def unwrap(model: nn.Module) -> nn.Module:
-    """The model inside a DDP / accelerate wrapper (or the model itself)."""
+def unwrap(model: nn.Module) -> Any:
+    """The model inside a DDP / accelerate wrapper (or the model itself); Any: the wrapper hides its type."""
     return getattr(model, "module", model)
+
+
+def embedding_weight(backbone: PreTrainedModel) -> torch.Tensor:
+    """The input embedding matrix [V, d] of an HF backbone (V: its vocabulary rows)."""
+    return cast(torch.Tensor, backbone.get_input_embeddings().weight)  # nn.Module's stub types an attribute loosely
 
 
 def count_parameters(model: nn.Module, exclude_embeddings: bool = False) -> int:
     seen, total = set(), 0
-    backbone = getattr(model, "backbone", model)
-    skip = {id(backbone.get_input_embeddings().weight)} if exclude_embeddings else set()
+    backbone = cast(PreTrainedModel, getattr(model, "backbone", model))  # a DiffusionLM's, or the HF model itself
+    skip = {id(embedding_weight(backbone))} if exclude_embeddings else set()
     for p in model.parameters():
         if id(p) in seen or id(p) in skip:
             continue

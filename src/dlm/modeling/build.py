@@ -28,7 +28,7 @@ from transformers.utils import logging as hf_logging
 
 from dlm.errors import DlmError, ModelNotFoundError
 from dlm.modeling import lora
-from dlm.modeling.backbone import DiffusionLM, build_backbone, load_backbone
+from dlm.modeling.backbone import DiffusionLM, build_backbone, embedding_weight, load_backbone
 from dlm.modeling.carry import CARRY_MODULE, carry_norm_for
 from dlm.modeling.resolve import ResolvedModel, resolve_model
 from dlm.modeling.reward import REWARD_HEAD, reward_head_for
@@ -76,7 +76,7 @@ def build(spec: ModelSpec, source: str | Path | ResolvedModel | None = None, *, 
             raise ValueError("build() without a source needs vocab_size")
         backbone = build_backbone(arch, preset, vocab_size, max_positions, spec.attention, **config_overrides)
         if dtype is not None:
-            backbone.to(dtype)
+            backbone.to(dtype)  # type: ignore[arg-type]  # transformers' @wraps(nn.Module.to) typing drops self
         model_dir = None
     else:
         resolved = resolve_model(source)
@@ -89,7 +89,7 @@ def build(spec: ModelSpec, source: str | Path | ResolvedModel | None = None, *, 
                 lora.merge_in_place(backbone)
         else:
             backbone = _load_quietly(resolved, dtype)
-        if vocab_size is not None and vocab_size > backbone.get_input_embeddings().weight.shape[0]:
+        if vocab_size is not None and vocab_size > embedding_weight(backbone).shape[0]:
             backbone.resize_token_embeddings(vocab_size)
             grown = True
     if spec.lora is not None:
@@ -123,6 +123,7 @@ def _adapter(backbone: PreTrainedModel, wanted: LoraSpec, model_dir: Path | None
     """Inject the adapter `wanted` over `backbone` (the base in `model_dir`), or check that the adapter a LoRA
     source already brought in is the one asked for; returns the resolved spec."""
     if saved is None or saved.lora is None:
+        assert model_dir is not None  # build() refuses a LoRA spec without a source, so the base has a directory
         return lora.inject(backbone, wanted.model_copy(update={"base": str(model_dir.resolve()),
                                                                "embeddings": grown}))
     have = saved.lora

@@ -71,7 +71,8 @@ def plan(source: str | Path | ResolvedModel) -> Plan:
         raise DlmError(f"{model_dir / 'config.json'}: model_type {config.get('model_type')!r} is not a format dlm "
                        f"converts; supported: {supported()}" + ("; it is a Hugging Face architecture already: use the "
                        "directory as it is (model.init_from, dlm generate)" if native else ""))
-    tensors, by_target = [], {}
+    tensors: list[Tensor] = []
+    by_target: dict[str, Tensor] = {}
     for file in _weight_files(model_dir):
         with safe_open(str(file), framework="pt") as st:
             for name in st.keys():

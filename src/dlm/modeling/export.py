@@ -64,6 +64,7 @@ def export(model_path: str | Path | ResolvedModel, out: str | Path, merge: bool 
         if format is not None:
             dev = resolve_device(device)
             cast = None if dtype is None else resolve_dtype(dtype, dev)
+            assert spec is not None  # set above for every format (spec or ModelSpec())
             write_llada(resolved, spec, tmp, max_shard_bytes, dev, cast)
         elif merge and spec is not None and spec.lora is not None:
             dev = resolve_device(device)
@@ -153,6 +154,8 @@ def merged_tensors(model_dir: Path | ResolvedModel, spec: ModelSpec, device: str
     with W + (alpha/r)·B·A where adapted, then the tensors the run trained in full in place of the base's."""
     resolved = resolve_model(model_dir)
     model_dir, config, adapter = resolved.path, resolved.config, spec.lora
+    if adapter is None:
+        raise DlmError(f"{model_dir}: merging needs a LoRA model's spec (this one has no lora); nothing to merge")
     base = lora.base_dir(model_dir, adapter)
     pairs = _adapter_pairs(model_dir / lora.ADAPTER_WEIGHTS)
     trained = load_file(model_dir / lora.MODULES_WEIGHTS) if (model_dir / lora.MODULES_WEIGHTS).is_file() else {}

@@ -22,6 +22,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from dlm.errors import DlmError, ModelNotFoundError
+from dlm.modeling.backbone import embedding_weight
 from dlm.modeling.spec import LoraSpec, ModelSpec
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -174,7 +175,7 @@ def load_adapted(directory: Path, lora: LoraSpec, load_base: Callable[[Path], Pr
     backbone = load_base(base_dir(directory, lora))
     if lora.embeddings:
         rows = json.loads((directory / "config.json").read_text())["vocab_size"]
-        if rows != backbone.get_input_embeddings().weight.shape[0]:
+        if rows != embedding_weight(backbone).shape[0]:
             backbone.resize_token_embeddings(rows, mean_resizing=False)
     inject(backbone, lora)
     mark_trainable(backbone, embedding_modules(backbone) if lora.embeddings else [])

@@ -28,6 +28,7 @@ from dlm.modeling.spec import ModelSpec
 CONFIG_FILE = "config.json"
 TOKENIZER_MARKERS = ("tokenizer_config.json", "tokenizer.json")  # a directory with either holds a tokenizer
 Kind = Literal["dlm", "release", "hf"]
+TokenizerKind = Literal["release", "directory"]
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,7 @@ class ResolvedModel:
     kind: Kind  # "dlm": dlm.json here; "release": a LLaDA / Dream release; "hf": a plain HF causal LM
     spec: ModelSpec | None  # dlm.json; a release: the spec its format implies; None: an autoregressive HF model
     release: Format | None  # the format config.json's model_type names (dlm.modeling.formats), else None
-    tokenizer: Literal["release", "directory"] | None  # release: as `dlm convert` writes it; None: no tokenizer here
+    tokenizer: TokenizerKind | None  # release: as `dlm convert` writes it; None: no tokenizer here
 
     @property
     def saved_spec(self) -> ModelSpec | None:
@@ -49,7 +50,7 @@ class ResolvedModel:
     def hf_config(self) -> PretrainedConfig:
         """A fresh transformers config from the config.json already read (a release's: `dlm.modeling.convert.plan`)."""
         model_type = self.config.get("model_type")
-        if model_type not in CONFIG_MAPPING:
+        if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
             raise DlmError(f"{self.path / CONFIG_FILE}: model_type {model_type!r} is neither a Hugging Face "
                            f"architecture nor a format dlm reads without remote code ({supported()})")
         return CONFIG_MAPPING[model_type].from_dict(dict(self.config), name_or_path=str(self.path))
@@ -63,11 +64,11 @@ def resolve_model(source: str | Path | ResolvedModel) -> ResolvedModel:
     model_dir = resolve_model_dir(source)
     config = read_config(model_dir)
     saved = ModelSpec.load(model_dir) if ModelSpec.exists(model_dir) else None
-    release = FORMATS.get(config.get("model_type"))
+    release = FORMATS.get(config.get("model_type", ""))  # no model_type (or null): no release format
     spec = saved if saved is not None else release_spec(release, config) if release is not None else None
     kind: Kind = "dlm" if saved is not None else "release" if release is not None else "hf"
     has_tokenizer = any((model_dir / f).is_file() for f in TOKENIZER_MARKERS)
-    tokenizer = ("release" if release is not None else "directory") if has_tokenizer else None
+    tokenizer: TokenizerKind | None = ("release" if release is not None else "directory") if has_tokenizer else None
     return ResolvedModel(model_dir, MappingProxyType(config), kind, spec, release, tokenizer)
 
 

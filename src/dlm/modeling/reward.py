@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dlm.modeling.backbone import unwrap
+from dlm.modeling.backbone import embedding_weight, unwrap
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -23,7 +23,7 @@ REWARD_HEAD = "dlm_reward_head"
 
 def reward_head_for(backbone: PreTrainedModel) -> nn.Linear:
     """The scalar head Linear(d, 1) read at the response's last token (TESS 2 App. C)."""
-    weight = backbone.get_input_embeddings().weight
+    weight = embedding_weight(backbone)
     head = nn.Linear(backbone.config.hidden_size, 1, device=weight.device, dtype=weight.dtype)
     nn.init.normal_(head.weight, std=1.0 / (backbone.config.hidden_size + 1) ** 0.5)
     nn.init.zeros_(head.bias)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from dlm.modeling.backbone import unwrap
+from dlm.modeling.backbone import embedding_weight, unwrap
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -26,7 +26,7 @@ TIMESTEP_EMBEDDING = "dlm_timestep_embedding"
 def timestep_embedding_for(backbone: PreTrainedModel) -> nn.Linear:
     """The timestep embedding Linear(1, d, bias=False) of TESS 2 §3.1, zero-initialised so that an AR checkpoint
     starts out unchanged (our choice; the paper does not say how it is initialised)."""
-    weight = backbone.get_input_embeddings().weight
+    weight = embedding_weight(backbone)
     layer = nn.Linear(1, backbone.config.hidden_size, bias=False, device=weight.device, dtype=weight.dtype)
     nn.init.zeros_(layer.weight)
     return layer
