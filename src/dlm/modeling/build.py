@@ -68,30 +68,13 @@ def build(spec: ModelSpec, source: str | Path | ResolvedModel | None = None, *, 
     With `spec.lora`, the source is the base: adapters are injected on its targeted layers and only they, the extras
     and (when the vocabulary grows) the embeddings train. A LoRA model as source is its base + adapter: continued
     with the same adapter when `spec.lora` asks for the same r and layers, merged into full weights without it."""
-    saved, grown = None, False
     if source is None:
-        if spec.lora is not None:
-            raise DlmError("a LoRA model adapts a saved base model: give a source (recipe: model.init_from)")
-        if vocab_size is None:
-            raise ValueError("build() without a source needs vocab_size")
-        backbone = build_backbone(arch, preset, vocab_size, max_positions, spec.attention, **config_overrides)
-        if dtype is not None:
-            backbone.to(dtype)  # type: ignore[arg-type]  # transformers' @wraps(nn.Module.to) typing drops self
-        model_dir = None
+        backbone, model_dir, saved, grown = _fresh_backbone(spec, arch, preset, vocab_size, max_positions, dtype,
+                                                            config_overrides), None, None, False
     else:
         resolved = resolve_model(source)
         model_dir, saved = resolved.path, resolved.saved_spec
-        if saved is not None and saved.lora is not None:
-            dropout = saved.lora.dropout if spec.lora is None else spec.lora.dropout  # continued: this run's
-            adapter = saved.lora.model_copy(update={"dropout": dropout})
-            backbone = lora.load_adapted(model_dir, adapter, lambda base: _load_base(base, dtype))
-            if spec.lora is None:
-                lora.merge_in_place(backbone)
-        else:
-            backbone = _load_quietly(resolved, dtype)
-        if vocab_size is not None and vocab_size > embedding_weight(backbone).shape[0]:
-            backbone.resize_token_embeddings(vocab_size)
-            grown = True
+        backbone, grown = _source_backbone(resolved, spec, vocab_size, dtype)
     if spec.lora is not None:
         spec = spec.model_copy(update={"lora": _adapter(backbone, spec.lora, model_dir, saved, grown)})
     model = DiffusionLM(backbone, spec)
@@ -106,6 +89,37 @@ def build(spec: ModelSpec, source: str | Path | ResolvedModel | None = None, *, 
         full = [getattr(backbone, e.name) for e in EXTRAS if e.wanted(spec)]
         lora.mark_trainable(backbone, full + (lora.embedding_modules(backbone) if spec.lora.embeddings else []))
     return model
+
+
+def _fresh_backbone(spec: ModelSpec, arch: str, preset: str, vocab_size: int | None, max_positions: int,
+                    dtype: torch.dtype | None, config_overrides: dict):
+    """A new `arch`/`preset` backbone for `build` without a source."""
+    if spec.lora is not None:
+        raise DlmError("a LoRA model adapts a saved base model: give a source (recipe: model.init_from)")
+    if vocab_size is None:
+        raise ValueError("build() without a source needs vocab_size")
+    backbone = build_backbone(arch, preset, vocab_size, max_positions, spec.attention, **config_overrides)
+    if dtype is not None:
+        backbone.to(dtype)  # type: ignore[arg-type]  # transformers' @wraps(nn.Module.to) typing drops self
+    return backbone
+
+
+def _source_backbone(resolved: ResolvedModel, spec: ModelSpec, vocab_size: int | None, dtype: torch.dtype | None):
+    """(the backbone of a resolved source, whether its embedding grew to `vocab_size`) for `build`: a LoRA source
+    is its base + adapter, continued when `spec.lora` is set, merged otherwise."""
+    saved = resolved.saved_spec
+    if saved is not None and saved.lora is not None:
+        dropout = saved.lora.dropout if spec.lora is None else spec.lora.dropout  # continued: this run's
+        adapter = saved.lora.model_copy(update={"dropout": dropout})
+        backbone = lora.load_adapted(resolved.path, adapter, lambda base: _load_base(base, dtype))
+        if spec.lora is None:
+            lora.merge_in_place(backbone)
+    else:
+        backbone = _load_quietly(resolved, dtype)
+    grown = vocab_size is not None and vocab_size > embedding_weight(backbone).shape[0]
+    if grown:
+        backbone.resize_token_embeddings(vocab_size)
+    return backbone, grown
 
 
 def save_model(model: DiffusionLM, directory: str | Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:

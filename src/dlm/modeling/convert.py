@@ -71,6 +71,22 @@ def plan(source: str | Path | ResolvedModel) -> Plan:
         raise DlmError(f"{model_dir / 'config.json'}: model_type {config.get('model_type')!r} is not a format dlm "
                        f"converts; supported: {supported()}" + ("; it is a Hugging Face architecture already: use the "
                        "directory as it is (model.init_from, dlm generate)" if native else ""))
+    tensors = _read_tensors(model_dir, fmt)
+    embedding = next((t for t in tensors if t.name == fmt.embedding), None)
+    if embedding is None:
+        raise DlmError(f"{model_dir}: no tensor {fmt.embedding!r} (the token embedding) in its safetensors")
+    hf_config = AutoConfig.for_model(
+        fmt.hf_model_type, architectures=[fmt.architecture], is_causal=False, dtype=embedding.dtype,
+        **fmt.hf_config(config, embedding.shape[0], model_dir / "config.json"),
+        **{k: first_id(config[k]) for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+           if config.get(k) is not None})
+    _check_tensors(model_dir, fmt, hf_config, tensors)
+    return Plan(fmt, model_dir, config, hf_config, tensors)
+
+
+def _read_tensors(model_dir: Path, fmt: Format) -> list[Tensor]:
+    """Every tensor of the release's safetensors (headers only), each mapped to its place in `fmt`'s architecture;
+    an unmapped, repeated or non-float tensor is one error naming its file."""
     tensors: list[Tensor] = []
     by_target: dict[str, Tensor] = {}
     for file in _weight_files(model_dir):
@@ -87,15 +103,13 @@ def plan(source: str | Path | ResolvedModel) -> Plan:
                     raise DlmError(f"{file}: tensor {name!r} has dtype {sl.get_dtype()}; expected a float type")
                 by_target[target] = Tensor(file, name, target, tuple(sl.get_shape()), _DTYPES[sl.get_dtype()])
                 tensors.append(by_target[target])
-    embedding = next((t for t in tensors if t.name == fmt.embedding), None)
-    if embedding is None:
-        raise DlmError(f"{model_dir}: no tensor {fmt.embedding!r} (the token embedding) in its safetensors")
-    hf_config = AutoConfig.for_model(
-        fmt.hf_model_type, architectures=[fmt.architecture], is_causal=False, dtype=embedding.dtype,
-        **fmt.hf_config(config, embedding.shape[0], model_dir / "config.json"),
-        **{k: first_id(config[k]) for k in ("bos_token_id", "eos_token_id", "pad_token_id")
-           if config.get(k) is not None})
+    return tensors
+
+
+def _check_tensors(model_dir: Path, fmt: Format, hf_config: PretrainedConfig, tensors: list[Tensor]) -> None:
+    """Every tensor the HF config expects is there with its shape, and no tensor is left without a place."""
     expected = _expected_tensors(hf_config)
+    by_target = {t.target: t for t in tensors}
     for target, shape in expected.items():
         if target not in by_target:
             raise DlmError(f"{model_dir}: no tensor fills {target} of {fmt.architecture}; the checkpoint is incomplete")
@@ -105,7 +119,6 @@ def plan(source: str | Path | ResolvedModel) -> Plan:
     for t in tensors:
         if t.target not in expected:  # e.g. an output layer in a checkpoint whose config ties it to the embedding
             raise DlmError(f"{t.file}: tensor {t.name!r} has no place in {fmt.architecture} with this config.json")
-    return Plan(fmt, model_dir, config, hf_config, tensors)
 
 
 def stream_tensors(source: str | Path | ResolvedModel) -> Iterator[tuple[str, torch.Tensor]]:
