@@ -29,7 +29,7 @@ from dlm.modeling import lora
 from dlm.modeling.backbone import DiffusionLM, count_parameters
 from dlm.training import checkpointing, parallel, sharding
 from dlm.training import resume as resume_rules
-from dlm.training.assembly import build_model, resolve_tokenizer
+from dlm.training.assembly import build_model, init_source, resolve_tokenizer
 from dlm.training.ema import EMA
 from dlm.training.objectives import build_objective
 from dlm.training.resume import ResumeError
@@ -83,7 +83,8 @@ class Trainer:
         recipe, tc = self.recipe, self.recipe.train
         with self.acc.main_process_first():  # rank 0 writes the data and the tokenizer cache, the others read them
             self.splits = load_splits(recipe.data, self.run_dir / "data")
-            self.tok = resolve_tokenizer(recipe, self.splits["train"], self.run_dir)
+            self.source = init_source(recipe)  # model.init_from resolved once: the tokenizer and every build
+            self.tok = resolve_tokenizer(recipe, self.splits["train"], self.run_dir, self.source)
         block = recipe.model.block_size if recipe.model.attention == "block_causal" else None
         examples, collate = encode_examples(self.tok, self.splits["train"], recipe.model.max_length, block)
         self.stream = BatchStream(examples, tc.batch_size, collate, seed=tc.seed,
@@ -95,7 +96,7 @@ class Trainer:
         recipe, tc, oc = self.recipe, self.recipe.train, self.recipe.optim
         set_seed(tc.seed)
         with self.parallel.building():  # ZeRO-3 partitions at `prepare`: the same initial weights as one process
-            model = build_model(recipe, self.tok)
+            model = build_model(recipe, self.tok, self.source)
         if tc.activation_checkpointing:
             model.enable_activation_checkpointing()
         self.n_params = count_parameters(model)
@@ -251,8 +252,8 @@ class Trainer:
         """Task accuracy (with EMA weights when enabled) on the first `n` records of `split`; main process only."""
         if split not in self.splits or "answer" not in self.splits[split][0]:
             return {}
-        result = {}
-        with self.parallel.evaluation_model(self.model, self.ema, partial(build_model, self.recipe, self.tok)) as model:
+        result, build = {}, partial(build_model, self.recipe, self.tok, self.source)  # a whole copy where partitioned
+        with self.parallel.evaluation_model(self.model, self.ema, build) as model:
             if model is not None:  # the main process
                 from dlm.evaluation.tasks import evaluate
 
