@@ -50,7 +50,7 @@ def _update(pool, g):
     pool.refill(rows[pool.done[rows]])
 
 
-def test_inserted_example_enters_at_stage_zero_and_stays_exactly_J_updates():
+def test_inserted_example_enters_at_stage_zero_and_stays_exactly_J_updates():  # noqa: N802 (J: the paper's)
     K = 6  # 20 maskable positions (24 - 4 prompt): about u = 3 per step
     pool, stream = _pool(K)
     plain, _ = _pool(K)
