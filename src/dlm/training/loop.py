@@ -194,6 +194,7 @@ class Trainer:
 
     # ---- the run ----------------------------------------------------------------------------------------------
     def fit(self) -> Path:
+        """Train to `train.steps` (or the time cap), logging, evaluating and checkpointing; returns the run dir."""
         tc = self.recipe.train
         main = self.acc.is_main_process
         metrics_path = self.run_dir / "metrics.jsonl"
@@ -216,12 +217,7 @@ class Trainer:
                 record.pop("samples", None)
             if main and (self.step % tc.log_every == 0 or self.step == tc.steps or stop or "eval/accuracy" in record
                          or self.skipped_in_a_row):
-                with metrics_path.open("a") as f:
-                    f.write(json.dumps(record) + "\n")
-                if writer:
-                    for k, v in record.items():
-                        if isinstance(v, (int, float)) and k != "step":
-                            writer.add_scalar(k, v, self.step)
+                self._log(record, metrics_path, writer)
             bar.update(1)
             bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
             if self.skipped_in_a_row >= tc.max_nonfinite_updates:
@@ -234,6 +230,21 @@ class Trainer:
             if stop:
                 break
         bar.close()
+        self._finish()
+        return self.run_dir
+
+    def _log(self, record: dict, metrics_path: Path, writer) -> None:
+        """Append `record` to metrics.jsonl, and its numbers to TensorBoard when it is installed."""
+        with metrics_path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if writer:
+            for k, v in record.items():
+                if isinstance(v, (int, float)) and k != "step":
+                    writer.add_scalar(k, v, self.step)
+
+    def _finish(self) -> None:
+        """The last checkpoint, the final model and train_summary.json (saying so when the time cap cut the run)."""
+        tc, main = self.recipe.train, self.acc.is_main_process
         if main and self.step < tc.steps:  # the wall-clock cap ended the run early: say so, not only in the bar
             print(f"stopped at update {self.step} of {tc.steps}: train.max_minutes={tc.max_minutes:g} reached; "
                   f"the model is saved as trained so far (`dlm train --resume` trains the rest)", flush=True)
@@ -245,7 +256,6 @@ class Trainer:
             tmp = self.run_dir / "train_summary.json.tmp"
             tmp.write_text(json.dumps(summary, indent=1) + "\n")
             tmp.replace(self.run_dir / "train_summary.json")
-        return self.run_dir
 
     @torch.no_grad()
     def evaluate(self, split: str, n: int | None = None) -> dict:
