@@ -40,7 +40,7 @@ def save_final_model(trainer: Trainer, directory: Path) -> None:
     acc.wait_for_everyone()
 
 
-def save_checkpoint(trainer: Trainer) -> Path:
+def save_checkpoint(trainer: Trainer) -> Path | None:
     """Write the resumable state into a temporary folder and commit it as `latest`. A write that fails (a full
     disk) on any rank removes the folder and raises `CheckpointError` on every rank: `latest` is unchanged."""
     acc, root = trainer.acc, trainer.run_dir / "checkpoints"

@@ -14,7 +14,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
+from typing import cast
 
+import torch
 import yaml
 from transformers import PretrainedConfig
 
@@ -140,13 +142,14 @@ def parameter_counts(model: DiffusionLM, reward: bool) -> dict[str, int]:
     trainable = sum(p.numel() for p in params if p.requires_grad)
     tied = bool(getattr(backbone.config, "tie_word_embeddings", False))
     embed_w, head_w = backbone.get_input_embeddings().weight, backbone.get_output_embeddings().weight
+    layers = cast(torch.nn.ModuleList, backbone.base_model.layers)
     unused = head_w.numel() if reward and not tied else 0
     skip = ({id(embed_w)} if not tied else set()) | ({id(head_w)} if reward else set())
     matmul = [p for p in params if p.ndim >= 2 and id(p) not in skip]
     return {"total": total, "trainable": trainable, "frozen": total - trainable, "updated": trainable - unused,
             "matmul": sum(p.numel() for p in matmul),
             "matmul_trainable": sum(p.numel() for p in matmul if p.requires_grad),
-            "layer": max(sum(p.numel() for p in layer.parameters()) for layer in backbone.base_model.layers)}
+            "layer": max(sum(p.numel() for p in layer.parameters()) for layer in layers)}
 
 
 def _shape(cfg: PretrainedConfig) -> dict:
@@ -306,7 +309,7 @@ def rows(r: dict) -> list[tuple[str, str]]:
     share = f" ({100 * p['trainable'] / p['total']:.2g} %)" if p["trainable"] != p["total"] else ""
     seqs, sized = r["global_sequences_per_update"], r.get("sized_for")
     differs = sized is not None and sized["sequences"] != seqs  # a --set changed the global batch: say so
-    changed = f" = {_product(r['global_batch'])}; NOT the recipe's {sized['sequences']}" if differs else ""
+    changed = f" = {_product(r['global_batch'])}; NOT the recipe's {sized['sequences']}" if sized and differs else ""
     this = f" for {seqs} seq" if differs else ""
     return [
         ("model", f"{r['architecture']} from {r['model_source']}"),

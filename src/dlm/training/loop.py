@@ -64,15 +64,16 @@ class Trainer:
         self.objective = build_objective(tc.objective, recipe, self.tok.mask_token_id, self.acc.process_index,
                                          self.acc.num_processes)
         # Objectives that keep their own samples (PU trajectory pools) refill from the stream themselves.
-        self.owns_data = hasattr(self.objective, "attach")
-        if self.owns_data:
-            self.objective.attach(self.stream, collate, self.unwrapped.config.hidden_size)
+        attach = getattr(self.objective, "attach", None)
+        self.owns_data = attach is not None
+        if attach is not None:
+            attach(self.stream, collate, self.unwrapped.config.hidden_size)
         self.ema = EMA(self.unwrapped, tc.ema_decay) if tc.ema_decay else None
         self.step, self.tokens_seen = 0, 0
         self.skipped_updates, self.skipped_in_a_row = 0, 0  # updates skipped for a NaN/inf loss or gradient
         # Seconds spent in the update loop by earlier segments of this run (read back on resume) and the start of
         # this one: a resumed run's checkpoints count the whole run's training time, not only the last segment's.
-        self.seconds_before, self._segment_start = 0.0, None
+        self.seconds_before, self._segment_start = 0.0, None  # type: float, float | None
         if resume and not self.load_latest() and self.acc.is_main_process:
             print(f"--resume: no complete checkpoint in {self.run_dir / 'checkpoints'}; starting fresh")
         if found is not None and extend_to is not None:  # the next update already follows the re-planned schedule
@@ -101,12 +102,12 @@ class Trainer:
             model.enable_activation_checkpointing()
         self.n_params = count_parameters(model)
         self.n_trainable = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
-        model = self.parallel.wrap(model)  # FSDP2 splits the parameters before the optimizer sees them
-        trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: adapters + dlm's modules
+        wrapped = self.parallel.wrap(model)  # FSDP2 splits the parameters before the optimizer sees them
+        trainable = [p for p in wrapped.parameters() if p.requires_grad]  # LoRA: adapters + dlm's modules
         decay, no_decay = [p for p in trainable if p.ndim >= 2], [p for p in trainable if p.ndim < 2]
         optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": oc.weight_decay},
                                        {"params": no_decay, "weight_decay": 0.0}], lr=oc.lr, betas=oc.betas, eps=oc.eps)
-        self.model, self.optimizer = self.parallel.prepare(model, optimizer)
+        self.model, self.optimizer = self.parallel.prepare(wrapped, optimizer)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(  # over the groups the strategy's optimizer steps
             self.parallel.scheduled(self.optimizer),
             partial(lr_lambda, warmup=oc.warmup_steps, total=tc.steps, schedule=oc.schedule, min_ratio=oc.min_lr_ratio))
@@ -158,6 +159,7 @@ class Trainer:
     def _plan_update(self):
         """This update's micro-batches, their plans and the loss positions counted over micro-batches and ranks."""
         tc, device = self.recipe.train, self.acc.device
+        batches: list[dict[str, torch.Tensor] | None]
         if self.owns_data:  # objectives that keep their own samples (PU trajectory pools)
             batches = [None] * tc.grad_accum
         else:
@@ -283,7 +285,7 @@ class Trainer:
         """The final model (EMA weights when enabled), gathered where partitioned, with its tokenizer."""
         checkpointing.save_final_model(self, directory)
 
-    def save_checkpoint(self) -> Path:
+    def save_checkpoint(self) -> Path | None:
         """An atomic checkpoint of the whole run state; `CheckpointError` on every rank when any write fails."""
         return checkpointing.save_checkpoint(self)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
+from typing import cast
 
 import torch
 from accelerate import Accelerator
@@ -99,7 +100,7 @@ def shard(model: torch.nn.Module, world_size: int, bf16: bool = False) -> torch.
     for module in model.modules():
         if type(module).__name__ in layer_types:
             fully_shard(module, mesh=mesh, mp_policy=policy)
-    model = fully_shard(model, mesh=mesh, mp_policy=policy)
+    model = cast(torch.nn.Module, fully_shard(model, mesh=mesh, mp_policy=policy))  # the same module, FSDP's class
     model.register_forward_pre_hook(_inputs_inside, with_kwargs=True)  # after FSDP's: the parameters are gathered
     return model
 
@@ -159,7 +160,7 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         kept = first.setdefault(id(p), name)
         if kept != name and kept in state and name in state:
             state[name] = state[kept]
-    return state
+    return cast(dict[str, torch.Tensor], state)  # full_state_dict: plain tensors
 
 
 def local_tensors(tensors: dict) -> dict:
