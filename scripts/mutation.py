@@ -78,6 +78,33 @@ MODULES: dict[str, list[str]] = {
         "masked_elbo_is_unbiased_against_exact_enumeration", "masked_elbo_is_deterministic_and_independent_of_batching",
         "ar_loglikelihood_is_exact_and_greedy_flags_the_argmax_continuation", "likelihood_refusals",
         "mask_counts_are_stratified_and_weighted_by_one_over_t")), "tests/test_device_check.py"],
+    # issue 47 item 7: the code added since the core's run. The serve tests start servers (~20 s a file): each module
+    # maps to the tests that reach it, and each mutant reruns only those that called the mutated function
+    "serve/limits.py": ["tests/test_cli_defaults.py::test_serve_limit_flags_show_the_library_defaults",
+                        "tests/test_serve.py::test_cli_help_and_bad_limits",
+                        "tests/test_serve_limits.py::test_cli_limits_and_access_flags",
+                        "tests/test_serve_limits.py::test_every_limit_must_be_above_zero_and_names_its_flag"],
+    "serve/access.py": [*(f"tests/test_serve_limits.py::test_{t}" for t in (
+        "a_loopback_server_answers_only_to_loopback_host_names",
+        "an_api_key_guards_v1_and_leaves_the_page_and_health_open", "cli_limits_and_access_flags")),
+        "tests/test_serve_access.py"],
+    "serve/protocol.py": ["tests/test_serve_limits.py", "tests/test_serve_protocol.py",
+                          "tests/test_serve.py::test_malformed_requests_get_one_error_each_and_the_server_keeps_serving",
+                          "tests/test_serve.py::test_seed_n_and_options_from_the_body",
+                          "tests/test_serve.py::test_completions_continue_raw_text"],
+    "serve/stream.py": ["tests/test_serve_limits.py", "tests/test_serve.py", "tests/test_serve_stream.py"],
+    "serve/engine.py": ["tests/test_serve.py", "tests/test_serve_options.py", "tests/test_serve_engine.py"],
+    "serve/batching.py": ["tests/test_serve_continuous.py", "tests/test_serve_options.py",
+                          "tests/test_serve.py::test_concurrent_greedy_requests_batch_and_equal_each_alone",
+                          "tests/test_serve_batching.py"],
+    "serve/app.py": ["tests/test_serve.py", "tests/test_serve_limits.py", "tests/test_serve_app.py"],
+    "modeling/resolve.py": ["tests/test_resolve.py"],
+    "modeling/formats.py": ["tests/test_export_formats.py", "tests/test_resolve.py"],
+    "modeling/convert.py": ["tests/test_convert.py"],
+    "modeling/export.py": ["tests/test_export_formats.py", "tests/test_lora.py::test_export_merge_at_a_dtype_is_the_"
+                           "float32_merge_rounded"],
+    "modeling/lora.py": ["tests/test_lora.py"],
+    "evaluation/lm_eval.py": ["tests/test_lm_eval.py"],
 }
 
 # mutmut's mutant name -> why it survives (equivalent), or the test that kills it after this issue's changes
@@ -308,6 +335,25 @@ EXPLAINED: dict[str, str] = {
                                                 "the EOS test's bool at the first token",
 
     # ---- end sampling simplex/guidance ----
+
+    # ---- serve/ (issue 47 item 7) ----
+    **{f"serve.access.x.Access.__call____mutmut_{i}": "a response header's name in another case: starlette "
+       "lowercases header names, so the bytes sent are the same (and HTTP names are case-insensitive)"
+       for i in (11, 12, 19, 20)},
+    "serve.access.x.Access.__call____mutmut_25": "the refusal's JSONResponse given no receive: starlette's Response "
+                                                 "never reads it (it only sends the start and the body)",
+    "serve.access.x.Access._refusal__mutmut_17": "'LATIN-1' names the same codec as 'latin-1'",
+    "serve.access.x.Access._refusal__mutmut_71": "a missing Authorization header read as b'XXXX' instead of b'': "
+                                                 "neither has a 'Bearer' scheme, both are missing_api_key",
+    **{f"serve.protocol.x__check_unicode__mutmut_{i}": "'UTF-8' names the same codec as 'utf-8'" for i in (9, 27)},
+    **{f"serve.protocol.x__as_api_error__mutmut_{i}": "get_close_matches' n (default 3, or 2) instead of 1: only "
+       "the best match, close[0], is shown" for i in (31, 32)},
+    **{f"serve.protocol.x__as_api_error__mutmut_{i}": "the union-member tags in a field's error location ('str', "
+       "'list[str]'; 'int' never appears: the optional ints are nullable, untagged) are only ever in the location of "
+       "a field of SHAPES (prompt, stop, content), whose param is cut back to that field and whose message is its "
+       "shape; pydantic reports the first member's error (str) first, so the cut location ends at the field whatever "
+       "the filter keeps" for i in (8, 9, 12, 13, 14, 15, 94, 95, 96, 104)},
+    # ---- end serve/ ----
 }
 
 # mutant -> why a survivor of the run above is *not* equivalent (listed as surviving, with this note). Device mutants
@@ -389,7 +435,14 @@ Notes on reading the table:
   mutmut: a test set a torch._dynamo option with pytest's monkeypatch, whose undo deletes the option for the rest of
   the process, and mutmut runs pytest twice in one process. With that fixed, the CPU flex tests are in the map
   (the compiled flex-vs-dense logits test stays out: ~1 min cold per run); the flex-only functions no longer show
-  as "no tests"."""
+  as "no tests".
+- Issue 47 item 7 (2026-12-06, the same 2-core machine): the code added since the core's run (serve/, the release
+  formats, conversion, export, LoRA, model resolution, the lm-eval adapter) is mapped and run. Where its "before"
+  is given, it is the first run with the tests that existed (`mutation-before.json`), and "after" the rerun with the
+  tests written against its survivors (tests/test_serve_access.py, test_serve_protocol.py, ...). serve/stream.py,
+  engine.py, batching.py and app.py have no "before": their tests reach them only through running servers (20-40 s
+  a mutant), so their unit tests (test_serve_stream.py, test_serve_engine.py, test_serve_app.py) were written from
+  the code first and mutmut ran once, with them."""
 
 
 def undecorate(source: str) -> str:

@@ -395,3 +395,12 @@ def test_cli_limits_and_access_flags(capsys):
         with pytest.raises(SystemExit) as exit_:
             main(["serve", "whatever", flag, value])
         assert (exit_.value.code, capsys.readouterr().err.strip()) == (2, f"dlm serve: {flag} must be > 0, got {value}")
+
+
+def test_every_limit_must_be_above_zero_and_names_its_flag():
+    Limits(max_tokens=1, max_batch_size=1, batch_window_ms=0.5, timeout_s=0.5, body_timeout_s=1, max_nfe=1)
+    for field, flag in (("timeout_s", "--timeout"), ("body_timeout_s", "--body-timeout"),
+                        ("send_timeout_s", "--send-timeout"), ("max_batch_size", "--max-batch-size"),
+                        ("batch_window_ms", "--batch-window-ms"), ("max_nfe", "--max-nfe")):
+        with pytest.raises(DlmError, match=f"^{flag} must be > 0, got 0$"):
+            Limits(**{field: 0})
