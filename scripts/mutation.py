@@ -93,13 +93,16 @@ MODULES: dict[str, list[str]] = {
                           "tests/test_serve.py::test_seed_n_and_options_from_the_body",
                           "tests/test_serve.py::test_completions_continue_raw_text"],
     "serve/stream.py": ["tests/test_serve_limits.py", "tests/test_serve.py", "tests/test_serve_stream.py"],
-    "serve/engine.py": ["tests/test_serve.py", "tests/test_serve_options.py", "tests/test_serve_engine.py"],
-    "serve/batching.py": ["tests/test_serve_continuous.py", "tests/test_serve_options.py",
-                          "tests/test_serve.py::test_concurrent_greedy_requests_batch_and_equal_each_alone",
-                          "tests/test_serve_batching.py"],
-    "serve/app.py": ["tests/test_serve.py", "tests/test_serve_limits.py", "tests/test_serve_app.py"],
+    # test_serve.py's `servers` fixture starts five servers per pytest session (each mutant): engine and batching
+    # map to the tests that build their own
+    "serve/engine.py": ["tests/test_serve_engine.py", "tests/test_serve_options.py",
+                        "tests/test_serve.py::test_recipe_eval_section_gives_the_defaults",
+                        "tests/test_serve.py::test_server_flags_over_the_recipe_follow_the_same_rule"],
+    "serve/batching.py": ["tests/test_serve_batching.py", "tests/test_serve_continuous.py",
+                          "tests/test_serve_options.py"],
+    "serve/app.py": ["tests/test_serve_app.py", "tests/test_serve.py", "tests/test_serve_limits.py"],
     "modeling/resolve.py": ["tests/test_resolve.py"],
-    "modeling/formats.py": ["tests/test_export_formats.py", "tests/test_resolve.py"],
+    "modeling/formats.py": ["tests/test_convert.py", "tests/test_export_formats.py", "tests/test_resolve.py"],
     "modeling/convert.py": ["tests/test_convert.py"],
     "modeling/export.py": ["tests/test_export_formats.py", "tests/test_lora.py::test_export_merge_at_a_dtype_is_the_"
                            "float32_merge_rounded"],
@@ -353,6 +356,16 @@ EXPLAINED: dict[str, str] = {
        "a field of SHAPES (prompt, stop, content), whose param is cut back to that field and whose message is its "
        "shape; pydantic reports the first member's error (str) first, so the cut location ends at the field whatever "
        "the filter keeps" for i in (8, 9, 12, 13, 14, 15, 94, 95, 96, 104)},
+    **{f"serve.stream.x.ChoiceText._stop_prefix__mutmut_{i}": "when to restart the scan at the text's last "
+       "len(stop) - 1 characters instead of going on from the last match state: both give the same match state "
+       "(a partial match at the end is never longer than len(stop) - 1); the condition only bounds the work"
+       for i in (14, 15)},
+    "serve.stream.x.ChoiceText.update__mutmut_16": "`<` instead of `<=`: an unchanged text (same length, same start) "
+                                                  "then gives the delta '' and sets the same sent text",
+    **{f"serve.stream.x.{f}__mutmut_{i}": "final=None instead of False: falsy, read only by `if not (final or ...)`"
+       for f, i in (("Job._commit", 15), ("Job.finish", 23), ("Job.row_step", 12))},
+    "serve.stream.x.Job.finish__mutmut_14": "the AR replay starting at k=0: the empty prefix decodes to '', which "
+                                            "is never longer than the text sent, so it sends nothing",
     # ---- end serve/ ----
 }
 
@@ -495,15 +508,18 @@ def _exists(test: str) -> bool:
     return not name or f"def {name.split('[')[0]}(" in (ROOT / path).read_text()
 
 
-def run_module(module: str, tests: list[str], workdir: Path, timeout: int, watch: dict | None = None) -> dict:
+def run_module(module: str, tests: list[str], workdir: Path, timeout: int, watch: dict | None = None,
+               recheck: dict | None = None) -> dict:
     """mutmut over one module; `watch` (mutant -> diff, the survivors of an earlier run) get the test that kills
-    them now, if one does."""
+    them now, if one does. `recheck` (an earlier result of the same source): only its unexplained survivors run
+    again, the other mutants keep their status, and those now killed are listed under "rechecked"."""
     tests = [t for t in tests if _exists(t)]  # an older checkout may lack a newer test file or test
     dest = scratch_copy(module, tests, workdir)
     env = dict(os.environ, PYTHONPATH="src", HF_HUB_OFFLINE="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
                DLM_TEST_THREADS=os.environ.get("DLM_TEST_THREADS", "1"))
+    names = [n for n in (recheck or {}).get("survivors", {}) if short(n) not in EXPLAINED]
     start = time.time()
-    proc = subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", "1"], cwd=dest, env=env,
+    proc = subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", "1", *names], cwd=dest, env=env,
                           capture_output=True, text=True, timeout=timeout)
     seconds = time.time() - start
     meta = dest / "mutants" / "src" / "dlm" / (module + ".meta")
@@ -515,11 +531,21 @@ def run_module(module: str, tests: list[str], workdir: Path, timeout: int, watch
     from mutmut.stats import status_by_exit_code
 
     status = {name: status_by_exit_code[code] for name, code in codes.items()}
+    if recheck is not None:
+        if set(status) != set(recheck["status"]):
+            raise SystemExit(f"{module}: its mutants differ from the earlier run's (the source changed): run it whole")
+        status = {n: status[n] if n in names else s for n, s in recheck["status"].items()}
+        rechecked = {n: recheck["survivors"][n] for n in names if status[n] in ("killed", "timeout")}
+        rechecked.update(recheck.get("rechecked", {}))
     survivors = sorted(n for n, s in status.items() if s in ("survived", "no tests"))
     diffs = {n: _diff(dest, module, n) for n in survivors}
     counts = {k: sum(1 for s in status.values() if s == k) for k in sorted(set(status.values()))}
     killers = {n: _killer(dest, n, tests, env) for n in (watch or {}) if status.get(n) in ("killed", "timeout")} \
         if KILLERS else {}
+    if recheck is not None:
+        diffs = {n: recheck["survivors"][n] for n in survivors}
+        return {**recheck, "tests": tests, "counts": counts, "survivors": diffs, "status": status,
+                "rechecked": rechecked, "recheck_seconds": recheck.get("recheck_seconds", 0) + seconds}
     return {"module": module, "tests": tests, "counts": counts, "total": len(status), "survivors": diffs,
             "status": status, "killers": killers, "seconds": seconds}
 
@@ -605,7 +631,7 @@ def write_report(results: list[dict], before: dict[str, dict], path: Path, comma
         live = k + to + sv - equivalent
         after_ne = f"{(k + to) / max(1, live):.0%}"
         lines.append(f"| {r['module']} | {tests} | {r['total']} | {bcol} | {k} / {sv} / {to} | {score} | "
-                     f"{equivalent} | {after_ne} | {r['seconds'] / 60:.1f} |")
+                     f"{equivalent} | {after_ne} | {_minutes(r)} |")
     lines += ["", NOTES]
     if not_run:
         lines += ["", "Not run: " + ", ".join(not_run) + " (time; each is mapped in `MODULES` and runs with "
@@ -617,12 +643,13 @@ def write_report(results: list[dict], before: dict[str, dict], path: Path, comma
             lines += [f"### {r['module']}", "", "```", r["error"], "```", ""]
             continue
         b = before.get(r["module"], {})
-        names = sorted(set(b.get("survivors", {})) | set(r["survivors"]))
+        rechecked = r.get("rechecked", {})
+        names = sorted(set(b.get("survivors", {})) | set(r["survivors"]) | set(rechecked))
         if not names:
             continue
         lines += [f"### {r['module']}", ""]
         for name in names:
-            diff = r["survivors"].get(name) or b.get("survivors", {}).get(name, "")
+            diff = r["survivors"].get(name) or b.get("survivors", {}).get(name) or rechecked.get(name, "")
             if name in r["survivors"]:
                 why = "equivalent: " + EXPLAINED[short(name)] if short(name) in EXPLAINED else "**survives**"
                 if short(name) in NOT_EQUIVALENT:
@@ -632,6 +659,12 @@ def write_report(results: list[dict], before: dict[str, dict], path: Path, comma
             lines += [f"- `{short(name)}`: {why}", "  ```diff", *("  " + d for d in diff.splitlines()), "  ```"]
         lines.append("")
     path.write_text("\n".join(lines) + "\n")
+
+
+def _minutes(r: dict) -> str:
+    """The run's minutes, plus the recheck's (its survivors rerun after the tests written against them)."""
+    extra = f" + {r['recheck_seconds'] / 60:.1f}" if r.get("recheck_seconds") else ""
+    return f"{r['seconds'] / 60:.1f}{extra}"
 
 
 def _mutmut_version() -> str:
@@ -652,6 +685,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--killers", action="store_true", help="name the test that kills each earlier survivor (one "
                     "pytest run per survivor: minutes per module)")
     ap.add_argument("--report-only", action="store_true", help="rewrite the report from --json without running")
+    ap.add_argument("--recheck", action="store_true", help="rerun only the unexplained survivors of each module's "
+                    "result in --json (same source), after tests were added against them")
     ap.add_argument("--list", action="store_true")
     args = ap.parse_args(argv)
     if args.list:
@@ -668,7 +703,10 @@ def main(argv: list[str] | None = None) -> None:
     before = {r["module"]: r for r in json.loads(args.before.read_text())} if args.before else {}
     for m in modules if not args.report_only else []:
         print(f"mutating {m} against {' '.join(MODULES[m])}", flush=True)
-        previous[m] = run_module(m, MODULES[m], args.workdir, args.timeout, before.get(m, {}).get("survivors"))
+        if args.recheck and "status" not in previous.get(m, {}):
+            raise SystemExit(f"--recheck {m}: no earlier result of it in {args.json}")
+        previous[m] = run_module(m, MODULES[m], args.workdir, args.timeout, before.get(m, {}).get("survivors"),
+                                 previous[m] if args.recheck else None)
         r = previous[m]
         print(f"  {r.get('counts', r.get('error'))} in {r['seconds']:.0f}s", flush=True)
         args.json.write_text(json.dumps([previous[k] for k in MODULES if k in previous], indent=1) + "\n")
