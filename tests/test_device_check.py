@@ -268,7 +268,7 @@ def _plants():
     from dlm.sampling import block_cache, masked, steps
 
     return {  # (object holding the function, its name, the call to break, (model, the path that must now fail))
-        "masked_canvas": (masked, "generate", "torch.full((B, gen_length)", GENERATE["masked_threshold"]),
+        "masked_canvas": (masked, "_canvas", "torch.full((B, gen_length)", GENERATE["masked_threshold"]),
         "steps_nfe": (steps.Progress, "__init__", "torch.zeros(canvas.shape[0]", GENERATE["masked_top_u_traced"]),
         "step_trace": (steps, "record_step", "torch.zeros(canvas.shape, dtype=torch.bool",
                        GENERATE["masked_top_u_traced"]),

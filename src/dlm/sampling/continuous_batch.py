@@ -36,7 +36,8 @@ class Batch:
         self.cached = model.spec.family == "autoregressive" or model.spec.attention == "block_causal"
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
-        self.valid = torch.zeros(0, 0, dtype=torch.bool)  # [rows, columns], allocated by `_reserve`
+        # [rows, columns], allocated by `_reserve`; empty until then, on the model's device
+        self.valid = next(model.parameters()).new_zeros((0, 0), dtype=torch.bool)
         self.C = 0
 
     def __len__(self) -> int:
