@@ -134,3 +134,36 @@ def test_training_assembly_reads_the_init_model_once(dirs, reads, tmp_path, name
     assert isinstance(source, ResolvedModel) and model.spec.family == "masked"
     assert tok.mask_token_id == model.spec.mask_token_id == source.spec.mask_token_id
     assert reads["walks"] == 1 and reads["config.json"] == 1
+
+
+def test_release_token_ids_default_to_the_published_ones_and_a_list_counts_as_its_first():
+    from dlm.modeling.resolve import first_id, release_spec
+
+    assert (first_id([5, 6]), first_id(7), first_id(None), first_id([])) == (5, 7, None, [])
+    for fmt in (LLADA, DREAM):
+        spec = release_spec(fmt, {})
+        assert (spec.mask_token_id, spec.eos_token_id, spec.pad_token_id) == (
+            fmt.mask_token_id, fmt.eos_token_id, fmt.pad_token_id)
+        assert (spec.family, spec.attention, spec.label_shift) == ("masked", "bidirectional", fmt.label_shift)
+    given = release_spec(LLADA, {"mask_token_id": 3, "eos_token_id": [4, 9], "pad_token_id": None})
+    assert (given.mask_token_id, given.eos_token_id, given.pad_token_id) == (3, 4, LLADA.pad_token_id)
+
+
+def test_config_errors_name_the_file(tmp_path, dirs):
+    from dlm.modeling.resolve import read_config
+
+    with pytest.raises(ModelNotFoundError) as err:
+        read_config(tmp_path)
+    assert str(err.value) == f"{tmp_path / 'config.json'}: no such file; a checkpoint directory holds its config.json"
+    (tmp_path / "config.json").write_text('{"a": 1,\n oops}')
+    with pytest.raises(DlmError) as err:
+        read_config(tmp_path)
+    assert str(err.value) == f"{tmp_path / 'config.json'}:2: malformed JSON (Expecting property name enclosed in " \
+                             "double quotes)"
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelNotFoundError) as err:
+        resolve_model(tmp_path / "empty")
+    assert str(err.value) == (f"{tmp_path / 'empty'}: no model here (expected config.json in it or in "
+                              f"{tmp_path / 'empty' / 'model'})")
+    r = resolve_model(dirs["hf"])
+    assert r.hf_config().name_or_path == str(r.path)
