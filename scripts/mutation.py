@@ -547,6 +547,8 @@ def run_module(module: str, tests: list[str], workdir: Path, timeout: int, watch
     env = dict(os.environ, PYTHONPATH="src", HF_HUB_OFFLINE="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
                DLM_TEST_THREADS=os.environ.get("DLM_TEST_THREADS", "1"))
     names = [n for n in (recheck or {}).get("survivors", {}) if short(n) not in EXPLAINED]
+    if recheck is not None and not names:  # nothing to rerun (mutmut given no names would run every mutant)
+        return recheck
     start = time.time()
     try:
         proc = subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", "1", *names], cwd=dest,
@@ -566,7 +568,9 @@ def run_module(module: str, tests: list[str], workdir: Path, timeout: int, watch
     status = {name: status_by_exit_code[code] for name, code in codes.items()}
     if recheck is not None:
         if set(status) != set(recheck["status"]):
-            raise SystemExit(f"{module}: its mutants differ from the earlier run's (the source changed): run it whole")
+            print(f"  {module}: its mutants differ from the earlier run's (the source changed): run it whole",
+                  flush=True)
+            return recheck
         status = {n: status[n] if n in names else s for n, s in recheck["status"].items()}
         rechecked = {n: recheck["survivors"][n] for n in names if status[n] in ("killed", "timeout")}
         rechecked.update(recheck.get("rechecked", {}))
