@@ -262,3 +262,133 @@ def test_the_scheduler_runs_on_the_event_loop_and_stops(engines):
     got, waiting, batcher = asyncio.run(main())
     assert [g[0] for g in got] == ["done", "done"] and waiting.cancelled and batcher._stopping
     assert batcher._task.done() and batcher.stats["rows"] == 2
+
+
+def test_whole_batches_of_every_family_and_their_streams_match_the_running_batch(engines):
+    ar = [{"prompt": p, "max_tokens": 5} for p in ("a", "Mia has")]
+    assert [results(e) for e in run(engines["ar"], ar, continuous=False)[0]] == [
+        results(e) for e in run(engines["ar"], ar)[0]]
+    body = {"prompt": "Mia has", "max_tokens": 6, "u": 2, "stream": True, "dlm_steps": True}
+    shorter = {"prompt": "a", "max_tokens": 6, "u": 2}
+    whole = run(engines["masked"], [body, shorter], continuous=False)[0][0]
+    running = run(engines["masked"], [body, shorter])[0][0]
+    steps = [e[1] for e in whole if e[0] == "step"]
+    assert [s["tokens"] for s in steps] == [e[1]["tokens"] for e in running if e[0] == "step"]
+    assert all(len(s["tokens"]) == 6 for s in steps)  # the generated region only, behind the batch's prompt width
+    sampled = {"prompt": "Mia has", "max_tokens": 8, "temperature": 1.5}
+    draws = [results(run(engines["masked"], [{**sampled, "seed": s}], continuous=False)[0][0]) for s in (1, 2, 3)]
+    assert len({str(d) for d in draws}) > 1  # sampled at the request's temperature, not greedily
+
+
+def test_a_whole_batch_is_counted_as_running_while_it_decodes(engines, monkeypatch):
+    engine = engines["masked"]
+    batcher, loop = Batcher(engine.model, engine.tok, continuous=False), asyncio.new_event_loop()
+    seen = []
+    original = batching.generate
+
+    def spy(*args, **kwargs):
+        seen.append((batcher.running, [j.rows for j in batcher.current]))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(batching, "generate", spy)
+    waiting = engine.prepare(parse(CompletionRequest, {"prompt": "a", "max_tokens": 4, "u": 2, "n": 2}))
+    waiting.loop = loop
+    batcher.pending = [waiting]
+    later = engine.prepare(parse(CompletionRequest, {"prompt": "b", "max_tokens": 4, "u": 2}))
+    later.loop = loop
+    batcher.decode_now([later])  # joins what was already waiting
+    loop.run_until_complete(asyncio.sleep(0))
+    assert seen[0][0] == 3 and waiting.events.get_nowait()[0] == "done" and later.events.get_nowait()[0] == "done"
+    assert batcher.running == 0 and batcher.current == []
+    batcher._pool.shutdown()
+    loop.close()
+
+
+def test_every_abandoned_whole_batch_is_counted(engines, monkeypatch):
+    engine = engines["masked"]
+    batcher = Batcher(engine.model, engine.tok, continuous=False)
+    jobs = [engine.prepare(parse(CompletionRequest, {"prompt": p, "max_tokens": 6, "u": 1, "temperature": 0.5}))
+            for p in "ab"]
+
+    def abandon(*args, trace=None, **kwargs):
+        for job in jobs:
+            job.cancelled = True
+        trace.append({})
+
+    monkeypatch.setattr(batching, "generate", abandon)
+    batcher.pending = list(jobs)
+    for job in jobs:
+        job.cancelled = False
+    batcher._decode(batcher._take_whole())
+    batcher._decode(batcher._take_whole())
+    assert batcher.stats["abandoned"] == 2
+    batcher._pool.shutdown()
+
+
+def test_a_failed_whole_batch_is_logged_unless_the_sampler_refused(engines, monkeypatch, caplog):
+    engine = engines["masked"]
+    for error, logged in ((RuntimeError("boom"), True), (DlmError("refused"), False)):
+        batcher = Batcher(engine.model, engine.tok, continuous=False)
+        jobs = [engine.prepare(parse(CompletionRequest, {"prompt": p, "max_tokens": 4, "u": 2})) for p in "ab"]
+        for job in jobs:
+            job.sink = []
+
+        def fail(*args, error=error, **kwargs):
+            raise error
+
+        monkeypatch.setattr(batching, "generate", fail)
+        caplog.clear()
+        with caplog.at_level("ERROR", logger="dlm.serve"):
+            batcher._decode(jobs)
+        messages = [r.getMessage() for r in caplog.records]
+        assert messages == (["decoding a batch of 2 rows failed"] if logged else []), error
+        assert [j.sink for j in jobs] == [[(jobs[0], ("error", error))], [(jobs[1], ("error", error))]]
+        batcher._decode(jobs[:1])
+        assert batcher.stats["failed"] == 2  # every failed batch counts
+        batcher._pool.shutdown()
+
+
+def test_after_a_failure_the_running_batch_pads_with_the_tokenizers_pad_id(engines):
+    engine = engines["masked"]
+    batcher = Batcher(engine.model, engine.tok)
+    batcher._fail_all(RuntimeError("bug"))
+    assert batcher.batch.pad_id == engine.tok.pad_token_id and batcher.batch.model is engine.model
+    batcher._pool.shutdown()
+
+
+def test_stop_waits_for_the_step_under_way_and_drops_queued_work(engines):
+    import time
+
+    engine = engines["masked"]
+
+    async def main():
+        batcher = Batcher(engine.model, engine.tok)
+        batcher.start()
+        running = batcher._pool.submit(time.sleep, 0.3)  # the decoding thread's step under way
+        queued = batcher._pool.submit(time.sleep, 0.3)
+        await asyncio.sleep(0.05)
+        await batcher.stop()
+        return batcher._task.done(), batcher._task.cancelled(), running.done(), queued.cancelled()
+
+    assert asyncio.run(main()) == (True, True, True, True)
+
+
+def test_decoding_runs_in_the_batchers_own_thread(engines):
+    import threading
+
+    engine = engines["masked"]
+
+    async def main():
+        batcher, names = Batcher(engine.model, engine.tok), []
+        work = batcher._work
+        batcher._work = lambda: (names.append(threading.current_thread().name), work())[1]
+        batcher.start()
+        job = engine.prepare(parse(CompletionRequest, {"prompt": "a", "max_tokens": 4, "u": 2}))
+        job.loop = asyncio.get_running_loop()
+        batcher.submit(job)
+        done = await asyncio.wait_for(job.events.get(), 30)
+        await batcher.stop()
+        return names, done
+
+    names, done = asyncio.run(main())
+    assert done[0] == "done" and names and all(n.startswith("dlm-decode") for n in names)
