@@ -392,3 +392,28 @@ def test_decoding_runs_in_the_batchers_own_thread(engines):
 
     names, done = asyncio.run(main())
     assert done[0] == "done" and names and all(n.startswith("dlm-decode") for n in names)
+
+
+def test_a_failing_decoding_loop_is_logged_and_fails_the_jobs_under_way(engines, caplog):
+    engine = engines["masked"]
+
+    async def main():
+        batcher = Batcher(engine.model, engine.tok, window_s=0.0)
+        job = engine.prepare(parse(CompletionRequest, {"prompt": "a", "max_tokens": 4, "u": 2}))
+        job.loop = asyncio.get_running_loop()
+        batcher.current = [job]
+
+        def broken():
+            raise RuntimeError("scheduling bug")
+
+        batcher._work = broken
+        batcher.start()
+        batcher._wake.set()
+        event = await asyncio.wait_for(job.events.get(), 30)
+        await batcher.stop()
+        return event, batcher
+
+    with caplog.at_level("ERROR", logger="dlm.serve"):
+        event, batcher = asyncio.run(main())
+    assert event[0] == "error" and str(event[1]) == "scheduling bug" and batcher.current == []
+    assert [r.getMessage() for r in caplog.records] == ["the decoding loop failed"]
