@@ -39,15 +39,8 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
-        import yaml
-
         path = Path(path)
-        try:
-            raw = yaml.safe_load(path.read_text())
-        except FileNotFoundError:
-            raise StudyError(f"{path}: plan file not found") from None
-        except yaml.YAMLError as e:
-            raise StudyError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+        raw = read_yaml(path, "plan", StudyError)
         if not isinstance(raw, dict):
             raise StudyError(f"{path}: a plan is a mapping with name, arms, seeds, evals and settings")
         unknown = set(raw) - {"name", "arms", "seeds", "evals", "settings"}
@@ -111,3 +104,15 @@ def subset(flag: str, given, planned) -> list:
     if stray:
         raise StudyError(f"--{flag} {stray} not in the plan's {flag} {list(planned)}; --{flag} only orders or limits")
     return chosen
+
+
+def read_yaml(path: Path, what: str, error: type[Exception]):
+    """The YAML document at `path`; a missing file or bad YAML is one `error` naming the file (`what`: its kind)."""
+    import yaml
+
+    try:
+        return yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise error(f"{path}: {what} file not found") from None
+    except yaml.YAMLError as e:
+        raise error(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None

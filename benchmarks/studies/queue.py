@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+from studies.plans import read_yaml
+
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_QUEUE = ROOT / "benchmarks" / "study_queue.yaml"
 
@@ -25,14 +27,7 @@ def load_lane(path: Path, lane: str) -> list[tuple[list[str], float | None]]:
     """The lane's commands as (argument list, minutes it needs to start or None): each entry is a command line (a
     script under benchmarks/ that takes --max-minutes) or {run: LINE, min_minutes: M} for a driver whose unit of
     work cannot stop inside (a D_mask cell)."""
-    import yaml
-
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise QueueError(f"{path}: queue file not found") from None
-    except yaml.YAMLError as e:
-        raise QueueError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    raw = read_yaml(path, "queue", QueueError)
     lanes = raw.get("lanes") if isinstance(raw, dict) else None
     if not isinstance(lanes, dict) or lane not in lanes:
         raise QueueError(f"{path}: no lane {lane!r} under 'lanes' (lanes: {', '.join(lanes or {}) or 'none'})")
