@@ -333,7 +333,8 @@ def test_rejects_bad_cache_options():
 
 
 def test_cache_options_reach_the_sampler():
-    from dlm.cli import _sampling_settings, build_parser
+    from dlm.cli import build_parser
+    from dlm.cli.flags import sampling_settings as _sampling_settings
     from dlm.config import EvalConfig
 
     assert EvalConfig().sampling_options("masked").kv_cache is True

@@ -79,7 +79,7 @@ def test_every_command_refuses_a_missing_gpu_in_one_line(command, tmp_path):
 
 
 def test_the_cli_knows_the_same_dtypes_without_importing_torch():
-    from dlm.cli import DTYPES
+    from dlm.cli.flags import DTYPES
 
     assert DTYPES == dev.DTYPES
 

@@ -167,7 +167,8 @@ DOCUMENTED = [(["--sampler", "threshold"], "masked", {"policy": "threshold"}),
 
 @pytest.mark.parametrize("flags, family, changed", DOCUMENTED)
 def test_documented_flags_parse_to_the_same_values(flags, family, changed):
-    from dlm.cli import _sampling_settings, build_parser
+    from dlm.cli import build_parser
+    from dlm.cli.flags import sampling_settings as _sampling_settings
 
     for command in (["generate", "runs/x"], ["eval", "runs/x"]):
         options = _sampling_settings(build_parser().parse_args(command + flags)).sampling_options(family)
@@ -185,7 +186,8 @@ def _documented_commands():
 
 
 def test_every_documented_command_parses_and_validates():
-    from dlm.cli import _sampling_settings, build_parser
+    from dlm.cli import build_parser
+    from dlm.cli.flags import sampling_settings as _sampling_settings
     from dlm.evaluation.sweeps import parse_sweep
 
     commands = list(_documented_commands())
@@ -198,7 +200,8 @@ def test_every_documented_command_parses_and_validates():
 
 
 def test_cli_errors_name_the_flag(tmp_path, capsys):
-    from dlm.cli import _sampling_settings, build_parser, main
+    from dlm.cli import build_parser, main
+    from dlm.cli.flags import sampling_settings as _sampling_settings
 
     with pytest.raises(OptionsError, match=r"^--tau 1.5: confidence_threshold must be a number in \(0, 1\]$"):
         _sampling_settings(build_parser().parse_args(["eval", "runs/x", "--tau", "1.5"]))

@@ -11,15 +11,13 @@ import sys
 
 from dlm.cli.data import add_data_parser
 from dlm.cli.evaluate import add_eval_parser, add_lm_eval_parser
-from dlm.cli.flags import DTYPES
-from dlm.cli.flags import sampling_settings as _sampling_settings  # the name tests/test_options.py imports
 from dlm.cli.generate import add_generate_parser
 from dlm.cli.models import add_convert_parser, add_export_parser
 from dlm.cli.serve import add_serve_parser
 from dlm.cli.train import add_demo_parser, add_train_parser
 from dlm.errors import DlmError
 
-__all__ = ["DTYPES", "EPILOG", "_sampling_settings", "build_parser", "main"]
+__all__ = ["EPILOG", "build_parser", "main"]
 
 EPILOG = """examples:
   dlm demo                                        train + evaluate a small model on tinymath (~10 min, 2 cores)
