@@ -1,0 +1,195 @@
+"""The parallel strategies' own contract, without a launch: the description read from an accelerate config (every
+backend, every refusal naming the file), what ZeRO-3 refuses, the strategy a one-process launch gets, and the
+one-process strategy's non-finite check, clipping, skipping, EMA weights, evaluation copy and checkpoint layout. The
+two-process behaviour of DDP, FSDP2 and DeepSpeed is tested end to end in tests/test_sharded.py and
+tests/test_deepspeed*.py (slow-marked)."""
+
+import pytest
+import torch
+from accelerate import Accelerator
+
+from dlm.config import RecipeError, load_recipe
+from dlm.errors import DlmError
+from dlm.training import parallel
+from dlm.training.ema import EMA
+from dlm.training.parallel import FSDP2, SHARDED, DeepSpeed, Parallelism, Replicated, from_accelerate_config
+from dlm.training.resume import ResumeError
+
+
+def read(cfg, processes=8, where="cfg.yaml"):
+    return from_accelerate_config(cfg, processes, where)
+
+
+@pytest.mark.parametrize("kind", ["NO", "MULTI_GPU", "MULTI_CPU", "multi_gpu", None])
+def test_replicated_kinds_are_single_or_ddp(kind):
+    cfg = {} if kind is None else {"distributed_type": kind}
+    assert read(cfg, 1) == Parallelism("single", 1, 1, "cfg.yaml", None)
+    assert read(cfg, 8) == Parallelism("ddp", 8, 1, "cfg.yaml", None)  # DDP shards nothing: a group of 1
+
+
+def test_fsdp2_full_and_hybrid_shard():
+    cfg = {"distributed_type": "FSDP",
+           "fsdp_config": {"fsdp_version": 2, "fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer"}}
+    assert read(cfg, 8) == Parallelism("fsdp2", 8, 8, "cfg.yaml", "LlamaDecoderLayer")
+    hybrid = dict(cfg, parallelism_config={"parallelism_config_dp_shard_size": 4,
+                                           "parallelism_config_dp_replicate_size": 2})
+    assert read(hybrid, 8).shard == 4
+    empty = dict(cfg, parallelism_config={"parallelism_config_dp_shard_size": None})
+    assert read(empty, 8).shard == 8  # a null shard size: the whole launch
+    assert read(dict(cfg, fsdp_config={"fsdp_version": "2"}), 2).wrap is None
+    with pytest.raises(DlmError, match=r"^cfg\.yaml: fsdp_config\.fsdp_version must be 2"):
+        read({"distributed_type": "FSDP", "fsdp_config": {"fsdp_version": 1}})
+    with pytest.raises(DlmError, match=r"fsdp_version must be 2"):  # accelerate's default FSDP is version 1
+        read({"distributed_type": "FSDP"})
+    with pytest.raises(DlmError, match=r"^scale\.num_processes 6 is not a multiple of the shard size 4 in cfg\.yaml$"):
+        read(hybrid, 6)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_stages(stage):
+    par = read({"distributed_type": "DEEPSPEED", "deepspeed_config": {"zero_stage": stage}})
+    assert par == Parallelism(f"zero{stage}", 8, 8, "cfg.yaml", None) and par.deepspeed
+    assert par.sharded == ({"gradients", "optimizer"} if stage == 2 else {"weights", "gradients", "optimizer"})
+
+
+@pytest.mark.parametrize("cfg,message", [
+    ({"distributed_type": "DEEPSPEED", "deepspeed_config": {"zero_stage": 1}},
+     "cfg.yaml: deepspeed_config.zero_stage is 1; dlm knows ZeRO stages 2 and 3"),
+    ({"distributed_type": "DEEPSPEED"}, "cfg.yaml: deepspeed_config.zero_stage is None; dlm knows ZeRO stages 2 and 3"),
+    ({"distributed_type": "XLA"},
+     "cfg.yaml: distributed_type 'XLA' is not one dlm knows (NO, MULTI_GPU, FSDP, DEEPSPEED)")])
+def test_unknown_settings_name_the_file_and_field(cfg, message):
+    with pytest.raises(DlmError) as err:
+        read(cfg)
+    assert str(err.value) == message
+
+
+def test_what_each_backend_shards():
+    assert [b for b in SHARDED if "weights" in SHARDED[b]] == ["zero3", "fsdp2"]
+    assert not Parallelism("ddp", 2, 1).deepspeed and not Parallelism("fsdp2", 2, 2).deepspeed
+    assert Parallelism("zero2", 2, 2).deepspeed
+
+
+def recipe(*extra):
+    return load_recipe(None, ["model.preset=nano", "model.vocab_size=300", *extra])
+
+
+@pytest.mark.parametrize("objective", ["pu", "simplex", "reward"])
+def test_zero3_refuses_objectives_that_read_weights_outside_the_forward(objective):
+    out = parallel.refusals("zero3", recipe(f"train.objective={objective}"))
+    assert len(out) == 1 and out[0].startswith(f"train.objective: {objective} is not supported under DeepSpeed ZeRO-3")
+    assert all(parallel.refusals(b, recipe(f"train.objective={objective}")) == [] for b in ("zero2", "fsdp2", "ddp"))
+
+
+def test_zero3_refuses_ema_and_names_both_fields():
+    out = parallel.refusals("zero3", recipe("train.objective=simplex", "train.ema_decay=0.99"))
+    assert [m.split(":")[0] for m in out] == ["train.objective", "train.ema_decay"]
+    assert parallel.refusals("zero3", recipe("train.objective=mdm", "train.ema_decay=0.99"))[0].startswith(
+        "train.ema_decay: EMA is not supported under DeepSpeed ZeRO-3")
+    assert parallel.refusals("zero3", recipe("train.objective=mdm")) == []
+    assert parallel.refusals("zero2", recipe("train.ema_decay=0.99")) == []
+
+
+def test_one_process_launch_is_replicated_and_refusals_raise(monkeypatch):
+    acc = Accelerator(cpu=True)
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    strategy = parallel.launched(acc, recipe())
+    assert type(strategy) is Replicated and strategy.par == Parallelism("single", 1, 1)
+    assert not strategy.gathers
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    assert type(parallel.launched(acc, recipe())) is Replicated  # FSDP over one process: nothing to shard
+    monkeypatch.setattr(parallel, "refusals", lambda backend, r: [f"refused under {backend}"])
+    with pytest.raises(RecipeError, match="^refused under single$"):
+        parallel.launched(acc, recipe())
+
+
+def test_weights_are_gathered_only_where_they_are_partitioned():
+    acc = Accelerator(cpu=True)
+    assert FSDP2(acc, Parallelism("fsdp2", 2, 2)).gathers and DeepSpeed(acc, Parallelism("zero3", 2, 2)).gathers
+    assert not DeepSpeed(acc, Parallelism("zero2", 2, 2)).gathers
+    assert not Replicated(acc, Parallelism("ddp", 2, 1)).gathers
+
+
+def model_and_optimizer(seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def test_nonfinite_reads_the_loss_and_every_gradient_and_writes_nothing():
+    strategy = Replicated(Accelerator(cpu=True), Parallelism("single", 1, 1))
+    model, _ = model_and_optimizer()
+    assert not strategy.nonfinite(model, torch.tensor(1.0))  # no gradients yet: the loss alone decides
+    assert strategy.nonfinite(model, torch.tensor(float("nan")))
+    assert strategy.nonfinite(model, torch.tensor(float("-inf")))
+    model(torch.ones(1, 4)).sum().backward()
+    assert not strategy.nonfinite(model, torch.tensor(2.0))
+    model[1].bias.grad[1] = float("inf")  # one element of the last gradient
+    before = [p.grad.clone() for p in model.parameters()]
+    assert strategy.nonfinite(model, torch.tensor(2.0))
+    assert all(torch.equal(b, p.grad) for b, p in zip(before, model.parameters()))  # inf equals inf
+    assert model[1].bias.grad[1] == float("inf")  # read, never zeroed or replaced
+
+
+def test_update_clips_steps_or_skips():
+    strategy = Replicated(Accelerator(cpu=True), Parallelism("single", 1, 1))
+    model, optimizer = model_and_optimizer()
+    (100 * model(torch.ones(1, 4))).sum().backward()
+    norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+    w0 = [p.detach().clone() for p in model.parameters()]
+    assert strategy.update(model, optimizer, True, 1.0) == (False, None)  # skipped: nothing changes
+    assert all(torch.equal(a, p) for a, p in zip(w0, model.parameters()))
+    grads = [p.grad.clone() for p in model.parameters()]
+    applied, reported = strategy.update(model, optimizer, False, 1.0)
+    assert applied and reported == pytest.approx(float(norm))  # the norm before clipping, as torch reports it
+    moved = torch.cat([(a - p.detach()).flatten() for a, p in zip(w0, model.parameters())])
+    clipped = torch.cat([g.flatten() for g in grads]) * (1.0 / float(norm))
+    assert torch.allclose(moved, 0.1 * clipped, atol=1e-6)  # SGD moved by lr x the clipped gradient (norm 1)
+    model2, optimizer2 = model_and_optimizer()
+    (100 * model2(torch.ones(1, 4))).sum().backward()
+    assert strategy.update(model2, optimizer2, False, None) == (True, None)  # no clipping, no norm
+    moved = torch.cat([(a - p.detach()).flatten() for a, p in zip(w0, model2.parameters())])
+    assert torch.allclose(moved, 0.1 * torch.cat([g.flatten() for g in grads]), atol=1e-5)
+
+
+def test_full_weights_and_evaluation_copy_use_the_ema_values():
+    acc = Accelerator(cpu=True)
+    strategy = Replicated(acc, Parallelism("single", 1, 1))
+    model, _ = model_and_optimizer()
+    assert strategy.full_weights(model) is None  # the live tensors
+    ema = EMA(model, 0.5)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    ema.update(model)
+    full = strategy.full_weights(model, ema)
+    assert torch.allclose(full["0.weight"], model[0].weight - 0.5)
+    live = model[0].weight.detach().clone()
+    with strategy.evaluation_model(model, ema, build=lambda: pytest.fail("a whole model is never rebuilt")) as whole:
+        assert whole is model and torch.allclose(whole[0].weight, live - 0.5)
+    assert torch.equal(model[0].weight, live)  # the EMA values are swapped out again
+    with strategy.evaluation_model(model, None, build=None) as whole:
+        assert whole is model and torch.equal(whole[0].weight, live)
+
+
+def test_checkpoints_carry_their_layout_and_a_mismatch_is_refused(tmp_path):
+    acc = Accelerator(cpu=True)
+    strategy = Replicated(acc, Parallelism("single", 1, 1))
+    model, optimizer = model_and_optimizer()
+    ema = EMA(model, 0.9)
+    state = strategy.trainer_state(optimizer, ema)
+    assert (state["sharded"], state["deepspeed"]) == (False, False)
+    assert state["optimizer"] == optimizer.state_dict() and state["ema"].keys() == ema.state_dict().keys()
+    assert strategy.trainer_state(optimizer, None)["ema"] is None
+    assert FSDP2(acc, Parallelism("fsdp2", 2, 2)).trainer_state(optimizer, ema) == {
+        "optimizer": None, "ema": None, "sharded": True, "deepspeed": False}
+    ds = DeepSpeed(acc, Parallelism("zero2", 2, 2)).trainer_state(optimizer, ema)
+    assert (ds["optimizer"], ds["sharded"], ds["deepspeed"]) == (None, False, True) and ds["ema"] is not None
+    for written, name in (({"sharded": True}, "with FSDP sharding"), ({"deepspeed": True}, "with DeepSpeed")):
+        with pytest.raises(ResumeError, match=f"^{tmp_path}: written {name}; resume with the same accelerate"):
+            strategy.load_state(tmp_path, written, model, optimizer, ema)
+    with pytest.raises(ResumeError, match="written without FSDP sharding"):
+        FSDP2(acc, Parallelism("fsdp2", 2, 2)).load_state(tmp_path, {"sharded": False}, model, optimizer, ema)
+    with pytest.raises(ResumeError, match="written without DeepSpeed"):
+        DeepSpeed(acc, Parallelism("zero2", 2, 2)).load_state(tmp_path, {"deepspeed": False}, model, optimizer, ema)
