@@ -118,6 +118,27 @@ MODULES: dict[str, list[str]] = {
         "tinymath_task_grades_programs_in_the_sandbox", "likelihood_tasks_from_local_jsonl_are_batch_invariant",
         "simple_evaluate_finds_the_registered_model",
         "dlm_eval_samples_file_for_tinymath_leaves_the_summary_unchanged"))],
+    # the training loop's normalisation and skipping (issue 47 item 7): only the update's three methods are mutated
+    # (FUNCTIONS); the rest of the loop (logging, evaluation, checkpoint cadence) has its own tests and stays out
+    "training/loop.py": ["tests/test_loss_normaliser.py", "tests/test_training_robustness.py",
+                         *(f"tests/test_training.py::test_{t}" for t in (
+                             "gradient_accumulation_matches_full_batch", "ema_and_final_model", "lr_schedule",
+                             "resume_after_crash_during_checkpoint_equals_uninterrupted")),
+                         "tests/test_parallel.py"],
+    # the strategies: the description, its refusals and the one-process/DDP strategy (every test run uses it); FSDP2
+    # and DeepSpeed run only under two-process launches (tests/test_sharded.py, test_deepspeed*.py: slow-marked)
+    "training/parallel.py": ["tests/test_parallel.py", "tests/test_training_robustness.py",
+                             *(f"tests/test_training.py::test_{t}" for t in (
+                                 "gradient_accumulation_matches_full_batch", "ema_and_final_model",
+                                 "resume_after_crash_during_checkpoint_equals_uninterrupted")),
+                             "tests/test_dryrun.py::test_hybrid_sharding_shards_over_the_node_and_replicates_across_nodes",
+                             "tests/test_dryrun.py::test_memory_by_backend_matches_hand_arithmetic"],
+}
+
+# module -> the functions mutated (mutmut name globs) where only part of a module is checked
+FUNCTIONS: dict[str, list[str]] = {
+    "training/loop.py": [f"dlm.training.loop.x\u01c1Trainer\u01c1{f}__mutmut_*"
+                         for f in ("train_step", "_plan_update", "_accumulate")],
 }
 
 # mutmut's mutant name -> why it survives (equivalent), or the test that kills it after this issue's changes
@@ -556,7 +577,9 @@ def run_module(module: str, tests: list[str], workdir: Path, timeout: int, watch
     env = dict(os.environ, PYTHONPATH="src", HF_HUB_OFFLINE="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
                DLM_TEST_THREADS=os.environ.get("DLM_TEST_THREADS", "1"))
     names = [n for n in (recheck or {}).get("survivors", {}) if short(n) not in EXPLAINED]
-    if recheck is not None and not names:  # nothing to rerun (mutmut given no names would run every mutant)
+    if recheck is None:
+        names = FUNCTIONS.get(module, [])
+    elif not names:  # nothing to rerun (mutmut given no names would run every mutant)
         return recheck
     start = time.time()
     try:

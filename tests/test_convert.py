@@ -21,8 +21,9 @@ from dlm.modeling import convert as convert_module
 from dlm.modeling import shards as shards_module
 from dlm.modeling.backbone import load_backbone
 from dlm.modeling.build import build, load_model
-from dlm.modeling.convert import convert, load_foreign, parse_size
+from dlm.modeling.convert import convert, load_foreign
 from dlm.modeling.resolve import resolve_model
+from dlm.modeling.sizes import parse_size
 from dlm.sampling import MaskedOptions, generate, load_for_inference
 from tests.foreign import REMOTE, write_dream, write_llada
 

@@ -14,6 +14,7 @@ import pytest
 
 from dlm.config import dump_recipe
 from dlm.training.loop import train
+from tests import test_sharded as sharded
 from tests.test_sharded import OBJECTIVES, _free_port, max_diff, weights
 from tests.test_training import losses, small_recipe
 
@@ -49,22 +50,39 @@ def _job(root: Path, data: Path, name: str, *extra, **job) -> dict:
     return {"recipe": str(path), **job}
 
 
+class Runs(sharded.Runs):
+    """Made when first read, as in tests/test_sharded.py: `runs / "one" / name` (1 process × 2b × the same
+    accumulation) and `runs / stage` (one launch per stage, its objectives and its resume jobs)."""
+
+    def __truediv__(self, part: str):
+        if part == "one":
+            return _References(self)
+        self / "one" / "ar"  # the 1-process runs write the shared data first
+        self._make(part, lambda: _launch_stage(self.root, part))
+        return self.root / part
+
+
+class _References(sharded._References):
+    def __truediv__(self, name: str) -> Path:
+        root, data = self.runs.root / "one", self.runs.root / "data"
+        recipe = small_recipe(root / name, data, "train.batch_size=4", *COMMON, *OBJECTIVES[name])
+        self.runs._make(("one", name), lambda: train(recipe, progress=False))
+        return root / name
+
+
+def _launch_stage(root: Path, stage: str) -> None:
+    data, out = root / "data", root / stage
+    out.mkdir()
+    jobs = [_job(out, data, name, *COMMON, *OBJECTIVES[name]) for name in RUN[stage]]
+    jobs += [_job(out, data, "full", *RESUME_COMMON, *RESUME[stage]),
+             _job(out, data, "resumed", *RESUME_COMMON, *RESUME[stage], stop_after=2),
+             _job(out, data, "resumed", *RESUME_COMMON, *RESUME[stage], resume=True)]
+    launch(stage, jobs, out)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("deepspeed")
-    data = root / "data"
-    for name in RUN["zero2"]:  # 1 process × 2b × the same accumulation
-        train(small_recipe(root / "one" / name, data, "train.batch_size=4", *COMMON, *OBJECTIVES[name]),
-              progress=False)
-    for stage in STAGES:
-        out = root / stage
-        out.mkdir()
-        jobs = [_job(out, data, name, *COMMON, *OBJECTIVES[name]) for name in RUN[stage]]
-        jobs += [_job(out, data, "full", *RESUME_COMMON, *RESUME[stage]),
-                 _job(out, data, "resumed", *RESUME_COMMON, *RESUME[stage], stop_after=2),
-                 _job(out, data, "resumed", *RESUME_COMMON, *RESUME[stage], resume=True)]
-        launch(stage, jobs, out)
-    return root
+    return Runs(tmp_path_factory.mktemp("deepspeed"))
 
 
 @pytest.mark.parametrize("stage,objective", [(s, o) for s in STAGES for o in RUN[s]])

@@ -88,32 +88,68 @@ def _job(root: Path, data: Path, name: str, *extra, **job) -> dict:
     return {"recipe": str(path), **job}
 
 
+class Runs:
+    """The runs, made when a test first reads them: `runs / "one" / name` trains that 1-process reference and
+    `runs / mode` launches all of that mode's jobs (one launch per mode), so a selection (`-k fsdp`) pays only for the
+    runs it reads. A run that failed fails every test that reads it, with the same error."""
+
+    def __init__(self, root: Path):
+        self.root, self.made = root, {}
+
+    def _make(self, key, make):
+        if key not in self.made:
+            try:
+                make()
+                self.made[key] = None
+            except BaseException as err:  # noqa: BLE001 (re-raised here and for every later reader)
+                self.made[key] = err
+        if self.made[key] is not None:
+            raise self.made[key]
+
+    def __truediv__(self, part: str):
+        if part == "one":
+            return _References(self)
+        self / "one" / "ar"  # the 1-process runs write the shared data first, as they always did
+        self._make(part, lambda: _launch_mode(self.root, part))
+        return self.root / part
+
+
+class _References:
+    def __init__(self, runs: Runs):
+        self.runs = runs
+
+    def __truediv__(self, name: str) -> Path:
+        root, data = self.runs.root / "one", self.runs.root / "data"
+        if name == "ema":
+            recipe = small_recipe(root / "ema", data, "train.batch_size=8", *RESUME_COMMON, *RESUME["ema"])
+        else:
+            recipe = small_recipe(root / name, data, "train.batch_size=8", *COMMON, *OBJECTIVES[name])
+        self.runs._make(("one", name), lambda: train(recipe, progress=False))
+        return root / name
+
+
+def _launch_mode(root: Path, mode: str) -> None:  # 2 processes × b
+    data, out = root / "data", root / mode
+    out.mkdir()
+    if mode == "hsdp":  # the mesh, not the objectives, is under test: one objective and one checkpoint
+        launch(mode, [_job(out, data, "ar", *COMMON), _job(out, data, "ema-full", *RESUME_COMMON, *RESUME["ema"])],
+               out)
+        return
+    jobs = [_job(out, data, name, *COMMON, *extra) for name, extra in OBJECTIVES.items()]
+    if mode == "fsdp":  # bf16: shards gathered as bf16 copies (MixedPrecisionPolicy), gradients reduced in fp32
+        jobs.append(_job(out, data, "mdm-bf16", *COMMON, *OBJECTIVES["mdm"], "train.precision=bf16"))
+    for name, extra in RESUME.items():
+        if mode == "fsdp" and name == "pu":
+            continue
+        jobs += [_job(out, data, f"{name}-full", *RESUME_COMMON, *extra),
+                 _job(out, data, f"{name}-resumed", *RESUME_COMMON, *extra, stop_after=2),
+                 _job(out, data, f"{name}-resumed", *RESUME_COMMON, *extra, resume=True)]
+    launch(mode, jobs, out)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("sharded")
-    data = root / "data"
-    for name, extra in OBJECTIVES.items():  # 1 process × 2b
-        train(small_recipe(root / "one" / name, data, "train.batch_size=8", *COMMON, *extra), progress=False)
-    train(small_recipe(root / "one" / "ema", data, "train.batch_size=8", *RESUME_COMMON, *RESUME["ema"]),
-          progress=False)
-    for mode in MODES:  # 2 processes × b
-        out = root / mode
-        out.mkdir()
-        if mode == "hsdp":  # the mesh, not the objectives, is under test: one objective and one checkpoint
-            launch(mode, [_job(out, data, "ar", *COMMON), _job(out, data, "ema-full", *RESUME_COMMON, *RESUME["ema"])],
-                   out)
-            continue
-        jobs = [_job(out, data, name, *COMMON, *extra) for name, extra in OBJECTIVES.items()]
-        if mode == "fsdp":  # bf16: shards gathered as bf16 copies (MixedPrecisionPolicy), gradients reduced in fp32
-            jobs.append(_job(out, data, "mdm-bf16", *COMMON, *OBJECTIVES["mdm"], "train.precision=bf16"))
-        for name, extra in RESUME.items():
-            if mode == "fsdp" and name == "pu":
-                continue
-            jobs += [_job(out, data, f"{name}-full", *RESUME_COMMON, *extra),
-                     _job(out, data, f"{name}-resumed", *RESUME_COMMON, *extra, stop_after=2),
-                     _job(out, data, f"{name}-resumed", *RESUME_COMMON, *extra, resume=True)]
-        launch(mode, jobs, out)
-    return root
+    return Runs(tmp_path_factory.mktemp("sharded"))
 
 
 def grad_norms(run: Path) -> list[float]:

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from dlm.config import Recipe, load_recipe
+from dlm.defaults import DEMO_MINUTES, DEMO_OUT
 
 COMMON = ["data.level=easy", "data.n_train=20000", "model.preset=small", "model.vocab_size=1024", "model.max_length=96",
           "train.batch_size=32", "train.log_every=20", "train.checkpoint_every=100", "eval.max_new_tokens=48"]
@@ -37,7 +38,7 @@ MDM_STAGE = ["name=demo-mdm", "train.objective=mdm", "model.attention=bidirectio
 PROBE_UPDATES = 5
 
 
-def run_demo(out: str | Path = "runs/demo", minutes: float = 9.0, device="auto", dtype="auto",
+def run_demo(out: str | Path = DEMO_OUT, minutes: float = DEMO_MINUTES, device="auto", dtype="auto",
              steps: tuple[int, int] | None = None, overrides: tuple[str, ...] = (),
              probe_updates: int = PROBE_UPDATES) -> dict:
     """Train both stages to their full updates, evaluate each on the test split, show a denoising; all on `device` at

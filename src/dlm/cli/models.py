@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from dlm.cli.flags import device_first
+from dlm.modeling.sizes import SHARD_SIZE, parse_size
 
 
 def add_convert_parser(sub) -> None:
@@ -26,7 +27,8 @@ def add_convert_parser(sub) -> None:
     c.add_argument("dst", help="the new model directory (must not exist)")
     c.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="cast the weights (default: keep the checkpoint's dtype, e.g. bf16 stays bf16)")
-    c.add_argument("--shard-size", default="5GB", help="largest safetensors shard, e.g. 5GB, 500MB (default: 5GB); "
+    c.add_argument("--shard-size", default=SHARD_SIZE,
+                   help=f"largest safetensors shard, e.g. 5GB, 500MB (default: {SHARD_SIZE}); "
                    "an index is written when there is more than one")
     c.set_defaults(func=convert_command)
 
@@ -63,7 +65,8 @@ def add_export_parser(sub) -> None:
     x.add_argument("--format", choices=sorted(FORMATS), help="write the layout an engine serves (llada: "
                    "config.json with architectures [LLaDAModelLM], model.transformer.* tensors, the tokenizer with its "
                    "mask token); untested on the engines themselves")
-    x.add_argument("--shard-size", default="5GB", help="largest safetensors shard, e.g. 5GB, 500MB (default: 5GB)")
+    x.add_argument("--shard-size", default=SHARD_SIZE,
+                   help=f"largest safetensors shard, e.g. 5GB, 500MB (default: {SHARD_SIZE})")
     x.add_argument("--device", default="cpu", help="--merge: where B·A is computed (default: cpu; auto, cuda, cuda:N, "
                    "mps); tensors are streamed one at a time either way")
     x.add_argument("--dtype", default="keep", choices=["keep", "float32", "bfloat16", "float16"],
@@ -74,7 +77,7 @@ def add_export_parser(sub) -> None:
 
 def convert_command(a) -> None:
     """`dlm convert`: dlm.modeling.convert.convert, its summary lines printed."""
-    from dlm.modeling.convert import convert, parse_size
+    from dlm.modeling.convert import convert
 
     for line in convert(a.src, a.dst, dtype=a.dtype, shard_size=parse_size(a.shard_size)):
         print(line)
@@ -82,7 +85,6 @@ def convert_command(a) -> None:
 
 def export_command(a) -> None:
     """`dlm export`: dlm.modeling.export.export, then where it wrote."""
-    from dlm.modeling.convert import parse_size
     from dlm.modeling.export import export
 
     device_first(a)

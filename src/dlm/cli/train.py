@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 from dlm.cli.flags import add_device_flags, device_first
+from dlm.defaults import DEMO_MINUTES, DEMO_OUT
 
 
 def add_train_parser(sub) -> None:
@@ -40,10 +41,11 @@ def add_demo_parser(sub) -> None:
                        description="The embedded default, on 2 CPU cores: generates tinymath (easy), trains the AR "
                        "baseline, adapts it into a masked diffusion model, evaluates both on the test split (accuracy, "
                        "NFE, time) and renders the masked model's denoising step by step.")
-    m.add_argument("--out", default="runs/demo", help="run directory (default: runs/demo)")
-    m.add_argument("--minutes", type=float, default=9.0,
-                   help="the training time you expect (default: 9): the demo estimates its time from its first "
-                   "updates and warns when the estimate exceeds this; every stage still trains all its updates")
+    m.add_argument("--out", default=DEMO_OUT, help=f"run directory (default: {DEMO_OUT})")
+    m.add_argument("--minutes", type=float, default=DEMO_MINUTES,
+                   help=f"the training time you expect (default: {DEMO_MINUTES:g}): the demo estimates its time from "
+                   "its first updates and warns when the estimate exceeds this; every stage still trains all its "
+                   "updates")
     add_device_flags(m, "both stages train and decode (training: cpu keeps accelerate off the GPU; bfloat16 trains "
                      "in bf16 mixed precision)")
     m.set_defaults(func=demo_command)

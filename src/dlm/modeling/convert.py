@@ -10,7 +10,6 @@ source fills, is an error naming it: never a silent fresh initialisation.
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -189,16 +188,6 @@ def convert(src: str | Path, dst: str | Path, *, dtype: torch.dtype | str | None
     if skipped:
         lines.append(f"not copied: {', '.join(skipped)}")
     return lines
-
-
-def parse_size(text: str | int) -> int:
-    """Bytes from `2GB`, `500MB`, `64KB` (powers of 1024) or a plain number."""
-    if isinstance(text, int):
-        return text
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)I?B?\s*", str(text).upper())
-    if m is None or float(m.group(1)) <= 0:
-        raise DlmError(f"shard size {text!r}: expected a size such as 2GB, 500MB or a number of bytes")
-    return int(float(m.group(1)) * 1024 ** " KMGT".index(m.group(2) or " "))
 
 
 # ---- helpers --------------------------------------------------------------------------------------------------

@@ -10,7 +10,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-DEFAULT_SHARD_BYTES = 5 * 2**30
+from dlm.modeling.sizes import SHARD_SIZE, parse_size
+
+DEFAULT_SHARD_BYTES = parse_size(SHARD_SIZE)
 INDEX_FILE = "model.safetensors.index.json"
 
 
