@@ -107,10 +107,12 @@ def run(mutant: Mutant, tree: Path) -> dict:
     target.write_text(original)
     last = [line for line in proc.stdout.splitlines() if line.strip()][-1:] or ["(no output)"]
     failed = [line.split(" ")[1] for line in proc.stdout.splitlines() if line.startswith("FAILED ")]
+    errors = [line[1:].strip() for line in proc.stdout.splitlines() if line.startswith("E ")]
     return {"name": mutant.name, "method": mutant.method, "old": mutant.old, "new": mutant.new,
             "tests": " ".join(mutant.tests), "expect": mutant.expect,
             "outcome": "caught" if proc.returncode == 1 else "survived" if proc.returncode == 0 else
             f"error (pytest exit {proc.returncode})", "first_failure": failed[0] if failed else None,
+            "error": errors[0][:300] if errors else None,
             "summary": last[0], "seconds": round(time.time() - start)}
 
 
@@ -120,6 +122,8 @@ def report(results: list[dict], path: Path) -> None:
              "cannot reach these methods (the tests launch 2 fresh processes that import dlm from src/), so each "
              "mutant is one line changed by hand, run against the slow tests named for it in a scratch copy. "
              f"Last run {datetime.date.today()}, 2 CPU cores.", "",
+             "The whole suite (`.ci/run`) runs the same tests unmutated and passes; each caught mutant's first error "
+             "line is in the JSON (`error`).", "",
              "| mutant | method | change | tests | outcome | first failing test | s |", "|---|---|---|---|---|---|---|"]
     for r in results:
         change = f"`{r['old']}` → `{r['new']}`".replace("|", "\\|")
