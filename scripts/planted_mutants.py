@@ -96,7 +96,7 @@ def scratch(workdir: Path) -> Path:
 
 def run(mutant: Mutant, tree: Path) -> dict:
     target = tree / STRATEGIES
-    original = (ROOT / STRATEGIES).read_text()
+    original = target.read_text()  # the scratch copy, as the tree was when the run began
     if original.count(mutant.old) != 1:
         raise SystemExit(f"{mutant.name}: {mutant.old!r} occurs {original.count(mutant.old)} times in {STRATEGIES}")
     target.write_text(original.replace(mutant.old, mutant.new))

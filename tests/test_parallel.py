@@ -4,13 +4,15 @@ one-process strategy's non-finite check, clipping, skipping, EMA weights, evalua
 two-process behaviour of DDP, FSDP2 and DeepSpeed is tested end to end in tests/test_sharded.py and
 tests/test_deepspeed*.py (slow-marked)."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from accelerate import Accelerator
 
 from dlm.config import RecipeError, load_recipe
 from dlm.errors import DlmError
-from dlm.training import parallel
+from dlm.training import parallel, sharding
 from dlm.training.ema import EMA
 from dlm.training.parallel import FSDP2, SHARDED, DeepSpeed, Parallelism, Replicated, from_accelerate_config
 from dlm.training.resume import ResumeError
@@ -193,3 +195,57 @@ def test_checkpoints_carry_their_layout_and_a_mismatch_is_refused(tmp_path):
         FSDP2(acc, Parallelism("fsdp2", 2, 2)).load_state(tmp_path, {"sharded": False}, model, optimizer, ema)
     with pytest.raises(ResumeError, match="written without DeepSpeed"):
         DeepSpeed(acc, Parallelism("zero2", 2, 2)).load_state(tmp_path, {"deepspeed": False}, model, optimizer, ema)
+
+
+def test_fsdp2_in_one_process_gathers_bf16_copies_under_bf16_and_saves_whole_weights(tmp_path):
+    """FSDP2 over a one-process gloo group: under bf16 mixed precision each decoder layer runs on bf16 copies of its
+    fp32 shards (MixedPrecisionPolicy), otherwise on fp32; the full weights it gathers equal the model's, EMA
+    values included, and its checkpoint part round-trips the weights, the optimizer and the EMA."""
+    import torch.distributed as dist
+
+    from dlm.modeling.build import build
+    from dlm.modeling.spec import ModelSpec
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        for precision, dtype in (("bf16", torch.bfloat16), ("no", torch.float32)):
+            torch.manual_seed(0)
+            spec = ModelSpec(family="masked", attention="bidirectional", mask_token_id=2, eos_token_id=1,
+                             pad_token_id=0)
+            model = build(spec, arch="llama", preset="nano", vocab_size=48, max_positions=32)
+            whole = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            acc = SimpleNamespace(mixed_precision=precision, device=torch.device("cpu"), num_processes=1,
+                                  process_index=0)
+            strategy = FSDP2(acc, Parallelism("fsdp2", 1, 1))
+            wrapped = strategy.wrap(model)
+            layer = next(m for m in wrapped.modules() if type(m).__name__.endswith("LlamaDecoderLayer"))  # FSDP...
+            seen: list[torch.dtype] = []
+            layer.register_forward_pre_hook(lambda m, args, seen=seen: seen.append(m.self_attn.q_proj.weight.dtype))
+            ids = torch.randint(3, 48, (2, 8))
+            wrapped(ids, attention_mask=torch.ones_like(ids))
+            assert seen == [dtype], precision
+            full = strategy.full_weights(wrapped)
+            assert full.keys() == whole.keys() and all(torch.equal(full[k], whole[k]) for k in whole)
+        optimizer = torch.optim.AdamW(wrapped.parameters(), lr=0.1)
+        ema = EMA(wrapped, 0.5)
+        wrapped(ids, attention_mask=torch.ones_like(ids))[0].float().sum().backward()
+        optimizer.step()
+        ema.update(wrapped)
+        assert torch.allclose(strategy.full_weights(wrapped, ema)["backbone.lm_head.weight"],
+                              (whole["backbone.lm_head.weight"] + strategy.full_weights(wrapped)[
+                                  "backbone.lm_head.weight"]) / 2, atol=1e-6)  # the EMA of the two weights
+        strategy.save_state(tmp_path, wrapped, optimizer, ema)
+        saved = {k: v.detach().clone() for k, v in strategy.full_weights(wrapped).items()}
+        state = torch.optim.AdamW(wrapped.parameters(), lr=0.1).state_dict()
+        with torch.no_grad():
+            for p in wrapped.parameters():
+                p.zero_()
+        fresh, fresh_ema = torch.optim.AdamW(wrapped.parameters(), lr=0.1), EMA(wrapped, 0.5)
+        strategy.load_state(tmp_path, {"sharded": True, "optimizer": state}, wrapped, fresh, fresh_ema)
+        assert all(torch.equal(v, saved[k]) for k, v in strategy.full_weights(wrapped).items())
+        assert fresh.state_dict()["state"].keys() == optimizer.state_dict()["state"].keys()
+        assert all(torch.equal(sharding.local(fresh_ema.shadow[k]), sharding.local(ema.shadow[k])) for k in ema.shadow)
+    finally:
+        dist.destroy_process_group()

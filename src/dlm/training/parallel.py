@@ -210,7 +210,7 @@ class FSDP2(Replicated):
 
     def wrap(self, model):
         bf16 = self.acc.mixed_precision == "bf16"
-        return sharding.shard(model.to(self.acc.device), self.acc.num_processes, bf16)
+        return sharding.shard(model.to(self.acc.device), self.acc.num_processes, bf16, self.acc.device.type)
 
     def prepare(self, model, optimizer):
         return model, optimizer

@@ -81,19 +81,20 @@ def configure_deepspeed(acc: Accelerator, micro_batch: int, grad_accum: int, gra
     return int(config.get("zero_optimization", {}).get("stage", 0))
 
 
-def shard(model: torch.nn.Module, world_size: int, bf16: bool = False) -> torch.nn.Module:
+def shard(model: torch.nn.Module, world_size: int, bf16: bool = False, device_type: str = "cpu") -> torch.nn.Module:
     """FSDP2 full shard: every decoder layer (the backbone's `_no_split_modules`) is its own unit, the rest (the
     embeddings, tied to the LM head, and dlm's extras) the root's. Tied weights stay one parameter. With `bf16` the
-    fp32 shards are gathered as bf16 copies (half the traffic and the gathered memory) and gradients reduced in fp32."""
+    fp32 shards are gathered as bf16 copies (half the traffic and the gathered memory) and gradients reduced in fp32.
+    `device_type` is the launch's (the accelerator's device: cuda, or cpu under gloo)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     replicate = hybrid_replicas(world_size)
     if replicate > 1:  # HSDP: sharded within groups of world / replicate processes, replicated across them
-        mesh = init_device_mesh(device, (replicate, world_size // replicate), mesh_dim_names=("replicate", "shard"))
+        mesh = init_device_mesh(device_type, (replicate, world_size // replicate),
+                                mesh_dim_names=("replicate", "shard"))
     else:
-        mesh = init_device_mesh(device, (world_size,))
+        mesh = init_device_mesh(device_type, (world_size,))
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else \
         MixedPrecisionPolicy()
     layer_types = set(getattr(model.backbone, "_no_split_modules", None) or ())
