@@ -24,6 +24,7 @@ import argparse
 import ast
 import datetime
 import difflib
+import fnmatch
 import functools
 import json
 import os
@@ -151,6 +152,12 @@ _DEVICE_TRAINING = ("a device argument dropped in CPU-side training code (UL2 sp
                     "objectives on the fake accelerator, but these tensors are moved explicitly or never reach it")
 _INF = "float('INF') / float('-INF') parse to the same infinities"
 EXPLAINED: dict[str, str] = {
+    # training/loop.py (issue 47 item 7): accelerate's reduce divides only for "mean" (and takes the max for "max");
+    # any other reduction, its default included, sums: the same all-reduce
+    **{f"training.loop.x.Trainer.train_step__mutmut_{i}": "reduction=None / 'XXsumXX' / 'SUM' / the default instead "
+       "of 'sum': accelerate's reduce sums for every reduction except 'mean' and 'max'" for i in (17, 19, 21, 22)},
+    "training.loop.x.Trainer.train_step__mutmut_36": "zero_grad(set_to_none=None): accelerate's AcceleratedOptimizer "
+                                                     "turns None into True before calling the optimizer's zero_grad",
     "training.ema.x__trainable__mutmut_1": "named_parameters(remove_duplicate=None): None is falsy, as False",
     "data.ul2.x_ul2_mask__mutmut_20": "valid.sum(+1) on the 2-D [B, L] mask sums over dim 1, the same as dim -1",
     **{f"data.canvas.x_collate__mutmut_{i}": _INT_DTYPE for i in (27, 30, 54, 56, 60, 62)},
@@ -577,6 +584,9 @@ def run_module(module: str, tests: list[str], workdir: Path, timeout: int, watch
     env = dict(os.environ, PYTHONPATH="src", HF_HUB_OFFLINE="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
                DLM_TEST_THREADS=os.environ.get("DLM_TEST_THREADS", "1"))
     names = [n for n in (recheck or {}).get("survivors", {}) if short(n) not in EXPLAINED]
+    if recheck is not None:  # and the mutants of the checked functions an earlier run cut short never reached
+        names += [n for n, s in recheck["status"].items() if s == "not checked" and (
+            module not in FUNCTIONS or any(fnmatch.fnmatchcase(n, g) for g in FUNCTIONS[module]))]
     if recheck is None:
         names = FUNCTIONS.get(module, [])
     elif not names:  # nothing to rerun (mutmut given no names would run every mutant)
@@ -604,7 +614,8 @@ def run_module(module: str, tests: list[str], workdir: Path, timeout: int, watch
                   flush=True)
             return recheck
         status = {n: status[n] if n in names else s for n, s in recheck["status"].items()}
-        rechecked = {n: recheck["survivors"][n] for n in names if status[n] in ("killed", "timeout")}
+        rechecked = {n: recheck["survivors"][n] for n in names
+                     if n in recheck["survivors"] and status[n] in ("killed", "timeout")}
         rechecked.update(recheck.get("rechecked", {}))
     survivors = sorted(n for n, s in status.items() if s in ("survived", "no tests"))
     diffs = {n: _diff(dest, module, n) for n in survivors}
@@ -612,7 +623,7 @@ def run_module(module: str, tests: list[str], workdir: Path, timeout: int, watch
     killers = {n: _killer(dest, n, tests, env) for n in (watch or {}) if status.get(n) in ("killed", "timeout")} \
         if KILLERS else {}
     if recheck is not None:
-        diffs = {n: recheck["survivors"][n] for n in survivors}
+        diffs = {n: recheck["survivors"].get(n, diffs[n]) for n in survivors}
         return {**recheck, "tests": tests, "counts": counts, "survivors": diffs, "status": status,
                 "rechecked": rechecked, "recheck_seconds": recheck.get("recheck_seconds", 0) + seconds}
     return {"module": module, "tests": tests, "counts": counts, "total": len(status), "survivors": diffs,
@@ -755,7 +766,8 @@ def main(argv: list[str] | None = None) -> None:
                     "pytest run per survivor: minutes per module)")
     ap.add_argument("--report-only", action="store_true", help="rewrite the report from --json without running")
     ap.add_argument("--recheck", action="store_true", help="rerun only the unexplained survivors of each module's "
-                    "result in --json (same source), after tests were added against them")
+                    "result in --json (same source), after tests were added against them, and the mutants a run cut "
+                    "by --timeout did not reach")
     ap.add_argument("--list", action="store_true")
     args = ap.parse_args(argv)
     if args.list:

@@ -61,3 +61,40 @@ def test_block_count_leaves_masked_positions_outside_the_loss_out():
     with torch.no_grad():
         _, count, _ = objective.loss(model, batch, plan)
     assert int(count) == int(plan["count"])  # the normaliser counts what the loss sums over
+
+
+def test_the_trainers_update_is_the_gradient_of_the_mean_over_loss_positions(tmp_path):
+    """One update with accumulation: the gradient the strategy steps on (and the norm it reports) is the gradient of
+    the loss summed over every micro-batch's loss positions divided by their total count, and the logged loss is
+    that mean, computed here by hand on the same micro-batches and plans."""
+    import copy
+
+    from dlm.training.loop import Trainer
+    from tests.test_training import small_recipe
+
+    recipe = small_recipe(tmp_path / "run", tmp_path / "data", "train.steps=1", "train.grad_accum=2",
+                          "train.batch_size=4", "optim.grad_clip=1e9")
+    trainer = Trainer(recipe, progress=False)
+    before = copy.deepcopy(trainer.unwrapped)
+    seen: dict = {}
+    real_plan, real_update = trainer._plan_update, trainer.parallel.update
+
+    def plan_update():
+        seen["batches"], seen["plans"], seen["total"] = out = real_plan()
+        return out
+
+    def update(model, optimizer, skip, grad_clip):
+        seen["grads"] = {n: p.grad.clone() for n, p in trainer.unwrapped.named_parameters() if p.grad is not None}
+        return real_update(model, optimizer, skip, grad_clip)
+
+    trainer._plan_update, trainer.parallel.update = plan_update, update
+    out = trainer.train_step()
+    total = sum(float(p["count"]) for p in seen["plans"])
+    assert float(seen["total"]) == total > 0
+    loss = sum(trainer.objective.loss(before, b, p)[0] for b, p in zip(seen["batches"], seen["plans"])) / total
+    loss.backward()
+    want = {n: p.grad for n, p in before.named_parameters() if p.grad is not None}
+    assert want.keys() == seen["grads"].keys()
+    assert all(torch.allclose(seen["grads"][n], want[n], rtol=1e-4, atol=1e-7) for n in want)
+    assert out["loss"] == pytest.approx(float(loss), rel=1e-5)
+    assert out["grad_norm"] == pytest.approx(float(torch.nn.utils.get_total_norm(list(want.values()))), rel=1e-4)
