@@ -78,7 +78,7 @@ MODULES: dict[str, list[str]] = {
     "evaluation/elbo.py": [*(f"tests/test_lm_eval.py::test_{t}" for t in (
         "masked_elbo_is_unbiased_against_exact_enumeration", "masked_elbo_is_deterministic_and_independent_of_batching",
         "ar_loglikelihood_is_exact_and_greedy_flags_the_argmax_continuation", "likelihood_refusals",
-        "mask_counts_are_stratified_and_weighted_by_one_over_t")), "tests/test_device_check.py"],
+        "mask_counts_are_stratified_and_weighted_by_one_over_t")), "tests/test_device_check.py", "tests/test_elbo.py"],
     # issue 47 item 7: the code added since the core's run. The serve tests start servers (~20 s a file): each module
     # maps to the tests that reach it, and each mutant reruns only those that called the mutated function
     "serve/limits.py": ["tests/test_cli_defaults.py::test_serve_limit_flags_show_the_library_defaults",
@@ -422,6 +422,24 @@ EXPLAINED: dict[str, str] = {
     **{f"modeling.resolve.x_resolve_model__mutmut_{i}": "the default of a missing model_type (None or 'XXXX' instead "
        "of ''): FORMATS has none of them as a key, so there is no release format either way" for i in (13, 15, 18)},
     # ---- end modeling/ ----
+    # ---- evaluation/elbo.py (tests/test_elbo.py kills the rest) ----
+    **{f"evaluation.elbo.x__right_pad__mutmut_{i}": _INT_DTYPE for i in (6, 9, 20, 22)},
+    **{f"evaluation.elbo.x__score_chunk__mutmut_{i}": _DIM for i in (101, 111)},
+    "evaluation.elbo.x__groups__mutmut_3": "`or True`: block is then spec.block_size for every model, which ModelSpec "
+                                           "makes None unless the attention is block_causal: the same groups",
+    **{f"evaluation.elbo.x__masked_logits__mutmut_{i}": "the block layout's canvas (23) or targets (41) padded past "
+       "the row's width: VectorisedLayout gathers only positions below `widths` (its src), so the extra mask columns "
+       "are never read" for i in (23, 41)},
+    **{f"evaluation.elbo.x__masked_logits__mutmut_{i}": "prompt_lens / widths made on the CPU instead of the model's "
+       "device: block_forward's VectorisedLayout only reads them (.tolist(), max()) and builds its own tensors on "
+       "canvas.device; the block-carry ELBO passes on the fake accelerator" for i in (69, 71, 73, 75)},
+    "evaluation.elbo.x__masked_logits__mutmut_85": "the zero carry made [d] instead of [B, W, d]: LayerNorm of zeros "
+                                                   "is its bias either way, and carry_input multiplies it by the 2-D "
+                                                   "attention mask ([B, W, 1]), which broadcasts it to [B, W, d]",
+    "evaluation.elbo.x_sample_masks__mutmut_36": "the all-true maskable argument [L] instead of [mc, L]: "
+                                                 "confidence_rank's torch.where broadcasts it over the mc rows, the "
+                                                 "same key",
+    # ---- end evaluation/elbo.py ----
 }
 
 # mutant -> why a survivor of the run above is *not* equivalent (listed as surviving, with this note). Device mutants
