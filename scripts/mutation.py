@@ -570,7 +570,7 @@ def scratch_copy(module: str, tests: list[str], workdir: Path) -> Path:
     files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, check=True,
                            capture_output=True, text=True).stdout.split("\n")
     for f in files:
-        if f and (ROOT / f).is_file() and not f.startswith(("docs/", "benchmarks/")):
+        if f and (ROOT / f).is_file() and not f.startswith("docs/"):
             (dest / f).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / f, dest / f)
     target = dest / "src" / "dlm" / module
@@ -598,7 +598,9 @@ def run_module(module: str, tests: list[str], workdir: Path, timeout: int, watch
     again, the other mutants keep their status, and those now killed are listed under "rechecked"."""
     tests = [t for t in tests if _exists(t)]  # an older checkout may lack a newer test file or test
     dest = scratch_copy(module, tests, workdir)
-    env = dict(os.environ, PYTHONPATH="src", HF_HUB_OFFLINE="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+    # the tests import the studies and benchmark helpers as pytest's `pythonpath` gives them (benchmarks/)
+    env = dict(os.environ, PYTHONPATH=f"src{os.pathsep}{dest / 'benchmarks'}", HF_HUB_OFFLINE="1",
+               OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
                DLM_TEST_THREADS=os.environ.get("DLM_TEST_THREADS", "1"))
     names = [n for n in (recheck or {}).get("survivors", {}) if short(n) not in EXPLAINED]
     if recheck is not None:  # and the mutants of the checked functions an earlier run cut short never reached
