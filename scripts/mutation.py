@@ -440,6 +440,18 @@ EXPLAINED: dict[str, str] = {
                                                  "confidence_rank's torch.where broadcasts it over the mc rows, the "
                                                  "same key",
     # ---- end evaluation/elbo.py ----
+    # ---- evaluation/lm_eval.py (tests/test_lm_eval_adapter.py kills the rest) ----
+    **{f"evaluation.lm_eval.x.DlmLM.{f}__mutmut_1": "the default of disable_tqdm (True instead of False): the "
+       "method never reads it (dlm's likelihood scoring draws no progress bar)"
+       for f in ("loglikelihood", "loglikelihood_rolling")},
+    "evaluation.lm_eval.x.DlmLM.chat_template__mutmut_1": "the default of the chat_template argument (True instead "
+                                                          "of False): the method ignores it and returns the "
+                                                          "tokenizer's template",
+    "evaluation.lm_eval.x.DlmLM.apply_chat_template__mutmut_3": "tokenize=None instead of False: transformers' "
+                                                                "apply_chat_template only tests its truth (`if not "
+                                                                "tokenize`, `if tokenize`), so None renders the "
+                                                                "same string",
+    # ---- end evaluation/lm_eval.py ----
 }
 
 # mutant -> why a survivor of the run above is *not* equivalent (listed as surviving, with this note). Device mutants

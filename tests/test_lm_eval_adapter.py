@@ -218,3 +218,155 @@ def test_dlm_lm_eval_hands_lm_evals_cli_its_arguments(monkeypatch, capsys):
     adapter.main(["--tasks", "t", "--limit=3"])
     assert seen[-1] == ["lm-eval", "--tasks", "t", "--limit=3", "--include_path", str(adapter.TASKS_DIR), "--device",
                         "auto"]
+
+
+def test_help_names_the_packaged_tasks_and_help_first_runs_lm_evals_own(monkeypatch, capsys):
+    """`dlm lm-eval --help` says what it adds (naming each packaged task) before lm-eval's `run --help`; ARGS that
+    begin with -h / --help go to lm-eval as they are: no --device, and under smoke no --limit."""
+    import lm_eval.__main__
+
+    from dlm.config import SMOKE_ENV, SMOKE_N
+
+    seen = []
+    monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", lambda: seen.append(list(sys.argv)))
+    monkeypatch.setattr(sys, "argv", ["x"])
+    monkeypatch.delenv(SMOKE_ENV, raising=False)
+    adapter.main(["--help"])
+    assert capsys.readouterr().out == (
+        "dlm lm-eval: lm-eval's CLI with model `dlm` registered and dlm's packaged tasks (dlm_tinymath, "
+        "dlm_humaneval, dlm_humaneval_sampled) on --include_path; its flags:\n\n")
+    assert sorted(p.stem for p in adapter.TASKS_DIR.glob("*.yaml")) == ["dlm_humaneval", "dlm_humaneval_sampled",
+                                                                         "dlm_tinymath"]
+    for flag in ("-h", "--help"):
+        adapter.main([flag, "run"])
+        assert seen[-1] == ["lm-eval", flag, "run", "--include_path", str(adapter.TASKS_DIR)]
+    monkeypatch.setenv(SMOKE_ENV, "1")
+    for flag in ("-h", "--help"):
+        adapter.main([flag, "run"])
+        assert seen[-1] == ["lm-eval", flag, "run", "--include_path", str(adapter.TASKS_DIR)]
+    assert capsys.readouterr().err == ""
+    adapter.main(["--tasks", "t"])
+    assert seen[-1] == ["lm-eval", "--tasks", "t", "--include_path", str(adapter.TASKS_DIR), "--device", "auto",
+                        "--limit", str(SMOKE_N)]
+    assert capsys.readouterr().err == f"{SMOKE_ENV}=1: --limit {SMOKE_N}; not a result\n"
+
+
+def test_pair_puts_bos_before_both_texts_when_asked(saved, monkeypatch):
+    """With add_bos_token, the context and the whole text are both encoded with BOS first, so the continuation is
+    exactly the tokens after the context's (no BOS in it, none of the context's tokens)."""
+    import copy
+
+    lm = DlmLM(saved["ar"], add_bos_token=True)
+    tok = copy.deepcopy(lm.tok)
+    tok.add_special_tokens({"bos_token": "<|bos|>"})
+    monkeypatch.setattr(lm, "tok", tok)
+    bos = tok.bos_token_id
+    assert bos is not None and bos not in (tok.eos_token_id, tok.pad_token_id)
+
+    def enc(text):
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    ctx, cont = lm._pair("Mia has", " 3 apples")
+    assert ctx == [bos, *enc("Mia has")]
+    assert cont == enc("Mia has 3 apples")[len(enc("Mia has")):] and len(cont) >= 1 and bos not in cont
+    assert lm._pair("", "Mia has") == ([tok.eos_token_id], enc("Mia has"))  # an empty context: EOS, no BOS
+
+
+def test_score_hands_the_model_args_to_the_scorer_and_times_per_pair(masked, monkeypatch):
+    """_score's likelihoods are dlm.evaluation.elbo.loglikelihood's with the model args (mc_num, batch_size, seed,
+    the pad id), in the order of the pairs; each pair costs an even share of the wall time and no tokens."""
+    from dlm.evaluation import elbo
+
+    calls = []
+
+    def spy(model, pairs, **kwargs):
+        calls.append(kwargs)
+        return elbo.loglikelihood(model, pairs, **kwargs)
+
+    lm = masked
+    monkeypatch.setattr(adapter, "loglikelihood", spy)
+    clock = iter([100.0, 106.0, 200.0, 203.0])
+    monkeypatch.setattr(adapter, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
+    monkeypatch.setattr(lm, "stats", type(lm.stats)(lm.stats.default_factory))
+    monkeypatch.setattr(lm, "request_nfe", type(lm.request_nfe)(int))
+    pairs = [([5, 6], [7, 8]), ([9], [10, 11, 12]), ([13, 14, 15], [16])]
+    reqs = [request("s", i) for i in range(3)]
+    scores = lm._score(reqs, pairs, "loglikelihood")
+    assert calls == [{"mc_num": 3, "batch_size": 2, "seed": 5, "pad_id": lm.tok.pad_token_id}]
+    assert scores == elbo.masked_loglikelihood(lm.model, pairs, mc_num=3, batch_size=2, seed=5,
+                                               pad_id=lm.tok.pad_token_id)
+    assert scores != elbo.masked_loglikelihood(lm.model, pairs, mc_num=128, batch_size=2, seed=5,
+                                               pad_id=lm.tok.pad_token_id)
+    assert scores != elbo.masked_loglikelihood(lm.model, pairs, mc_num=3, batch_size=2, seed=0,
+                                               pad_id=lm.tok.pad_token_id)
+    nfe = forward_passes(lm.model, 1, 3)
+    assert dict(lm.stats) == {("s", "loglikelihood"): {"requests": 3, "nfe": 3 * nfe, "tokens": 0, "seconds": 6.0}}
+    assert dict(lm.request_nfe) == {("s", i): nfe for i in range(3)}
+    lm._score([request("one", 0)], pairs[:1], "loglikelihood")  # one pair: the whole 3 s
+    assert lm.stats[("one", "loglikelihood")] == {"requests": 1, "nfe": nfe, "tokens": 0, "seconds": 3.0}
+
+
+def test_loglikelihood_scores_the_split_pairs_under_its_own_kind(saved):
+    lm = DlmLM(saved["ar"], batch_size=2)
+    reqs = [request("c", i, args) for i, args in enumerate([("Mia has", " 3 apples"), ("", "two pears"),
+                                                            ("Mia has  ", "4")])]
+    out = lm.loglikelihood(reqs)
+    assert out == lm._score([request("x", 0)] * 3, [lm._pair(*r.args) for r in reqs], "other")
+    assert set(lm.stats) == {("c", "loglikelihood"), ("x", "other")}
+    assert lm.stats[("c", "loglikelihood")]["requests"] == 3
+
+
+def _windows(ids, eos, limit):
+    """lm-eval's rolling windows by hand for a context of `limit` tokens: the text in chunks of limit - 1 tokens,
+    the first after EOS, each other one after the limit - len(chunk) tokens before it (limit tokens in all)."""
+    step, out = limit - 1, []
+    for start in range(0, len(ids), step):
+        end = min(start + step, len(ids))
+        out.append(([eos] if start == 0 else ids[end - limit : start], ids[start:end]))
+    return out
+
+
+@pytest.mark.parametrize("limit", [16, 23, None, "missing"])
+def test_rolling_windows_and_their_sums(saved, monkeypatch, limit):
+    """loglikelihood_rolling's windows are lm-eval's over the model's context (max_position_embeddings; 2048 when the
+    config has none) and each request's total is the sum of its windows' scores."""
+    lm = DlmLM(saved["ar"])
+    config = SimpleNamespace() if limit == "missing" else SimpleNamespace(max_position_embeddings=limit)
+    monkeypatch.setattr(lm, "model", SimpleNamespace(config=config))  # _score is faked: only the config is read
+    seen = []
+
+    def fake(requests, pairs, kind):
+        seen.append((list(requests), list(pairs), kind))
+        return [(-float(sum(cont)) - len(ctx) / 8, False) for ctx, cont in pairs]
+
+    monkeypatch.setattr(lm, "_score", fake)
+    context = limit if isinstance(limit, int) else 2048
+    texts = ["Mia has 3 apples and 4 pears. " * (6 if isinstance(limit, int) else 350), "two", "Mia has 7 apples."]
+    reqs = [request("r", i, (t,)) for i, t in enumerate(texts)]
+    totals = lm.loglikelihood_rolling(reqs)
+    expected, owners = [], []
+    for i, t in enumerate(texts):
+        ids = lm.tok(t, add_special_tokens=False)["input_ids"]
+        windows = _windows(ids, lm.tok.eos_token_id, context)
+        assert [tok for _, cont in windows for tok in cont] == ids and all(len(a) + len(b) <= context
+                                                                           for a, b in windows)
+        expected += windows
+        owners += [reqs[i]] * len(windows)
+    ((requests, pairs, kind),) = seen
+    assert kind == "loglikelihood_rolling" and pairs == expected and requests == owners
+    assert len(_windows(lm.tok(texts[0], add_special_tokens=False)["input_ids"], 0, context)) >= 3
+    assert totals == [sum(-float(sum(cont)) - len(ctx) / 8 for (ctx, cont), r in zip(pairs, owners) if r is req)
+                      for req in reqs]
+
+
+def test_rolling_loglikelihood_over_several_windows_is_the_sum_of_their_likelihoods(saved, monkeypatch):
+    lm = DlmLM(saved["ar"], batch_size=3)
+    monkeypatch.setattr(lm.model.config, "max_position_embeddings", 8)
+    text = "Mia has 3 apples and 4 pears. Mia has 5 apples."
+    (total,) = lm.loglikelihood_rolling([request("r", 0, (text,))])
+    ids = lm.tok(text, add_special_tokens=False)["input_ids"]
+    windows = _windows(ids, lm.tok.eos_token_id, 8)
+    assert len(windows) >= 3
+    from dlm.evaluation.elbo import ar_loglikelihood
+
+    assert total == pytest.approx(sum(s for s, _ in ar_loglikelihood(lm.model, windows, batch_size=1)), abs=1e-4)
