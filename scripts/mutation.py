@@ -616,8 +616,8 @@ def run_module(module: str, tests: list[str], workdir: Path, timeout: int, watch
                DLM_TEST_THREADS=os.environ.get("DLM_TEST_THREADS", "1"))
     names = [n for n in (recheck or {}).get("survivors", {}) if short(n) not in EXPLAINED]
     if recheck is not None:  # and the mutants of the checked functions an earlier run cut short never reached
-        names += [n for n, s in recheck["status"].items() if s == "not checked" and (
-            module not in FUNCTIONS or any(fnmatch.fnmatchcase(n, g) for g in FUNCTIONS[module]))]
+        names += [n for n, s in recheck["status"].items() if s == "not checked" and module in FUNCTIONS
+                  and any(fnmatch.fnmatchcase(n, g) for g in FUNCTIONS[module])]
     if recheck is None:
         names = FUNCTIONS.get(module, [])
     elif not names:  # nothing to rerun (mutmut given no names would run every mutant)
@@ -797,8 +797,8 @@ def main(argv: list[str] | None = None) -> None:
                     "pytest run per survivor: minutes per module)")
     ap.add_argument("--report-only", action="store_true", help="rewrite the report from --json without running")
     ap.add_argument("--recheck", action="store_true", help="rerun only the unexplained survivors of each module's "
-                    "result in --json (same source), after tests were added against them, and the mutants a run cut "
-                    "by --timeout did not reach")
+                    "result in --json (same source), after tests were added against them, and, for a module checked "
+                    "in part (FUNCTIONS), the mutants of its functions a run cut by --timeout did not reach")
     ap.add_argument("--list", action="store_true")
     args = ap.parse_args(argv)
     if args.list:
