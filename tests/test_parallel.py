@@ -249,3 +249,87 @@ def test_fsdp2_in_one_process_gathers_bf16_copies_under_bf16_and_saves_whole_wei
         assert all(torch.equal(sharding.local(fresh_ema.shadow[k]), sharding.local(ema.shadow[k])) for k in ema.shadow)
     finally:
         dist.destroy_process_group()
+
+
+class FakeEngine:
+    """What the DeepSpeed strategy asks of DeepSpeed's engine, recorded: the accumulation boundary, backward (the
+    loss it was given, its gradient flowing into a real leaf), step, whether the step applied, the grad norm and
+    the checkpoint calls."""
+
+    def __init__(self, applied=True):
+        self.calls, self.applied = [], applied
+
+    def set_gradient_accumulation_boundary(self, last):
+        self.calls.append(("boundary", last))
+
+    def backward(self, loss, scale_wrt_gas=True):
+        self.calls.append(("backward", scale_wrt_gas))
+        loss.backward()
+
+    def step(self):
+        self.calls.append(("step",))
+
+    def was_step_applied(self):
+        return self.applied
+
+    def get_global_grad_norm(self):
+        return 2.5
+
+    def save_checkpoint(self, path, tag):
+        self.calls.append(("save", path, tag))
+
+    def load_checkpoint(self, path, tag):
+        self.calls.append(("load", path, tag))
+
+
+def deepspeed(stage="zero2", **acc):
+    return DeepSpeed(SimpleNamespace(**acc), Parallelism(stage, 2, 2))
+
+
+def test_deepspeed_strategy_drives_the_engine_and_poisons_a_nonfinite_loss():
+    strategy, engine = deepspeed(), FakeEngine()
+    for last in (False, True):
+        with strategy.micro_batch(engine, last):
+            pass
+    assert engine.calls == [("boundary", False), ("boundary", True)]
+    for value, finite_grad in ((torch.tensor(0.0), True), (torch.tensor(float("nan")), False),
+                               (torch.tensor(float("inf")), False)):
+        x = torch.tensor(2.0, requires_grad=True)
+        loss = 3 * x + value * (3 * x).detach()  # the loss value carries the poison, its gradient (3) does not
+        strategy.backward(engine, loss)
+        assert bool(torch.isfinite(x.grad)) == finite_grad  # a non-finite loss makes its own gradient NaN
+        assert x.grad == 3 or not finite_grad
+    assert engine.calls[-1] == ("backward", False)  # the loss is already this rank's share: no rescaling
+    assert strategy.nonfinite(engine, torch.tensor(float("inf"))) and strategy.nonfinite(engine, torch.tensor(
+        float("nan"))) and not strategy.nonfinite(engine, torch.tensor(1.0))
+
+
+def test_deepspeed_update_follows_the_engine_and_refuses_an_applied_nonfinite_update():
+    strategy = deepspeed()
+    engine = FakeEngine(applied=True)
+    assert strategy.update(engine, None, False, 1.0) == (True, 2.5) and engine.calls == [("step",)]
+    assert strategy.update(engine, None, False, None) == (True, None)  # no clipping asked: no norm
+    engine.applied = False  # the engine's overflow check skipped the step
+    assert strategy.update(engine, None, True, 1.0) == (False, None)
+    assert strategy.update(engine, None, False, 1.0) == (False, None)
+    engine.applied = True
+    with pytest.raises(RuntimeError, match="^DeepSpeed applied an update whose loss was NaN/inf"):
+        strategy.update(engine, None, True, 1.0)
+
+
+def test_deepspeed_weights_and_checkpoints(tmp_path):
+    model, _ = model_and_optimizer()
+    ema = EMA(model, 0.5)
+    zero3 = deepspeed("zero3", get_state_dict=lambda m: {"gathered": m})
+    assert zero3.full_weights("engine", ema) == {"gathered": "engine"}  # ZeRO-3 gathers the partitions
+    zero2 = deepspeed("zero2", unwrap_model=lambda m: model)
+    assert zero2.full_weights("engine") is None
+    assert torch.equal(zero2.full_weights("engine", ema)["0.weight"], ema.shadow["0.weight"])
+    engine = FakeEngine()
+    zero2.save_state(tmp_path, engine, None, ema)
+    assert engine.calls == [("save", str(tmp_path / "deepspeed"), "state")]
+    fresh = EMA(model, 0.9)
+    zero2.load_state(tmp_path, {"deepspeed": True, "ema": ema.state_dict()}, engine, None, fresh)
+    assert engine.calls[-1] == ("load", str(tmp_path / "deepspeed"), "state") and fresh.decay == 0.5
+    zero2.load_state(tmp_path, {"deepspeed": True, "ema": None}, engine, None, fresh)  # nothing to restore: kept
+    assert fresh.decay == 0.5
