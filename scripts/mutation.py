@@ -452,6 +452,19 @@ EXPLAINED: dict[str, str] = {
                                                                 "tokenize`, `if tokenize`), so None renders the "
                                                                 "same string",
     # ---- end evaluation/lm_eval.py ----
+    # ---- serve/app.py (tests/test_serve_app.py kills the rest) ----
+    **{f"serve.app.x_create_app__mutmut_{i}": "the FastAPI title changed or left at its default: only the OpenAPI "
+       "schema and the docs pages show it, and the app serves neither (openapi_url=None)" for i in (33, 35, 40, 41)},
+    **{f"serve.app.x_create_app__mutmut_{i}": "docs_url (37) or redoc_url (38) left at its default: FastAPI adds "
+       "those pages only when openapi_url is set, and it is None (GET /docs and /redoc stay 404)" for i in (37, 38)},
+    **{f"serve.app.x_create_app__mutmut_{i}": "the /static mount's name changed or None: a name serves only "
+       "url_for('static', ...), which nothing calls (the page links /static/... by path)" for i in (48, 51, 55, 56)},
+    **{f"serve.app.x__request_handler__mutmut_{i}": "the message of an assert that cannot fail (protocol.parse "
+       "validates with `kind` and returns an instance of it)" for i in (15, 16)},
+    "serve.app.x__events__mutmut_21": "the role chunk's text None instead of '': it is a chat chunk, and "
+                                      "protocol.choice adds content to a delta only when the text is truthy",
+    "serve.app.x__sse__mutmut_2": "ensure_ascii=None instead of False: json.dumps only tests its truth",
+    # ---- end serve/app.py ----
 }
 
 # mutant -> why a survivor of the run above is *not* equivalent (listed as surviving, with this note). Device mutants

@@ -3,18 +3,22 @@ errors become OpenAI error objects, the usage and sampling fields of an answer, 
 
 import asyncio
 import json
+import logging
+import time
 from types import SimpleNamespace
 
 import pytest
 
 pytest.importorskip("fastapi")
 
+import torch  # noqa: E402
 from starlette.requests import Request  # noqa: E402
 
 from dlm.errors import DlmError  # noqa: E402
 from dlm.sampling import resolve_options  # noqa: E402
 from dlm.serve import app  # noqa: E402
-from dlm.serve.protocol import ApiError  # noqa: E402
+from dlm.serve.limits import Limits  # noqa: E402
+from dlm.serve.protocol import ApiError, CompletionRequest  # noqa: E402
 from dlm.serve.stream import ChoiceText, Job  # noqa: E402
 
 
@@ -146,14 +150,17 @@ def test_usage_counts_each_prompt_once_and_names_the_options_in_effect():
     assert text["object"] == "text_completion" and text["choices"][0]["text"] == "x"
 
 
-def events_of(j: Job, posted: list, chat=True, timeout=5.0) -> list:
-    """The SSE events `_events` yields for a job that receives `posted` events."""
+def events_of(j: Job, posted: list, chat=True, timeout=5.0, served=0, later=()) -> list:
+    """The SSE events `_events` yields for a job that receives `posted` events (and `later`: (seconds, event) pairs,
+    each posted that long after the stream starts); with `served` requests served before it."""
     spec = SimpleNamespace(attention="bidirectional", block_size=None, carry=False, family="masked")
-    engine, state = SimpleNamespace(spec=spec, name="m"), {"served": 0}
+    engine, state = SimpleNamespace(spec=spec, name="m"), {"served": served}
 
     async def main():
         for event in posted:
             j.events.put_nowait(event)
+        for delay, event in later:
+            asyncio.get_running_loop().call_later(delay, j.events.put_nowait, event)
         return [e async for e in app._events(j, chat, engine, timeout, state)]
 
     out = asyncio.run(main())
@@ -210,3 +217,236 @@ def test_a_result_waits_for_its_job_and_cancels_it():
     assert cancelled and (err.status, err.code) == (504, "timeout")
     err, cancelled = asyncio.run(wait([], disconnected=True))
     assert cancelled and (err.status, err.message) == (499, "the client left")
+
+
+def test_stream_chunks_carry_the_model_and_each_choice_index():
+    results = [{"text": "a", "finish_reason": "stop", "completion_tokens": 1, "nfe": 1},
+               {"text": "b", "finish_reason": "length", "completion_tokens": 1, "nfe": 1}]
+    got, served = events_of(job([[1], [1]], stream=True), [("done", results)], served=5)
+    assert served == 6  # counted on top of those served before
+    assert [e["model"] for e in got] == ["m"] * 3
+    assert got[0]["choices"] == [{"index": i, "delta": {"role": "assistant"}, "logprobs": None, "finish_reason": None}
+                                 for i in (0, 1)]
+    assert got[1]["choices"] == [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"},
+                                 {"index": 1, "delta": {}, "logprobs": None, "finish_reason": "length"}]
+    got, _ = events_of(job([[1], [1]], stream=True), [("done", results)], chat=False)
+    assert [e["model"] for e in got] == ["m"] * 2
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in got[0]["choices"]] == [(0, "", "stop"),
+                                                                                         (1, "", "length")]
+
+
+def test_a_stream_times_out_at_its_deadline():
+    """An event due after the deadline is never sent: the timeout error event comes at the deadline, not later."""
+    start = time.monotonic()
+    got, served = events_of(job([[1]], stream=True), [], chat=False, timeout=0.1, later=[(0.4, ("text", 0, "late"))])
+    assert served == 0 and got == [app._timeout(0.1).body()]
+    assert time.monotonic() - start < 1.0  # waiting a whole second past the deadline takes 1.4 s
+
+
+# ---- the app: routes, the batcher it configures, slots, streams ----------------------------------------------------
+SPEC = SimpleNamespace(attention="bidirectional", block_size=None, carry=False, family="masked")
+RESULT = {"text": "hi", "finish_reason": "stop", "completion_tokens": 1, "nfe": 2}
+
+
+def fake_engine(limits: Limits) -> SimpleNamespace:
+    """What create_app reads of an Engine: a model the Batcher accepts, limits, names, and `prepare` giving a Job
+    with one row per choice (the prompt [1, 2])."""
+    model = torch.nn.Linear(1, 1)
+    model.spec = SPEC
+
+    def prepare(parsed):
+        return job([[1, 2]] * parsed.n, stream=parsed.stream)
+
+    return SimpleNamespace(limits=limits, model=model, tok=SimpleNamespace(pad_token_id=0), name="m", family="masked",
+                           placement={"device": "cpu"}, spec=SPEC, prepare=prepare,
+                           describe=lambda: {"id": "m", "object": "model"})
+
+
+def make_app(limits=None, answer=True):
+    """An app over a fake engine whose batcher is not started: a submitted job gets its text at once and its results
+    when `answer` (else it waits; the jobs are kept in `application.jobs`)."""
+    application = app.create_app(fake_engine(limits or Limits()))
+    application.jobs = []
+
+    def submit(j):
+        application.jobs.append(j)
+        if answer:
+            finish(j)
+
+    application.state.batcher.submit = submit
+    return application
+
+
+def finish(j: Job) -> None:
+    for i in range(len(j.rows)):
+        j.post("text", i, "hi")
+    j.post("done", [RESULT] * len(j.rows))
+
+
+async def call(application, method, path, body=None, headers=None):
+    """(status, headers, body bytes) of one request sent to the ASGI app; `body`: an object sent as JSON."""
+    data = b"" if body is None else json.dumps(body).encode()
+    headers = {"Host": "127.0.0.1:8000", **({"Content-Type": "application/json"} if body is not None else {}),
+               **(headers or {})}
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
+             "method": method, "scheme": "http", "path": path, "raw_path": path.encode(), "root_path": "",
+             "query_string": b"", "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()],
+             "client": ("127.0.0.1", 40000), "server": ("127.0.0.1", 8000)}
+    parts = [{"type": "http.request", "body": data, "more_body": False}]
+    sent = []
+
+    async def receive():
+        if parts:
+            return parts.pop()
+        await asyncio.Event().wait()  # the client stays
+
+    async def send(message):
+        sent.append(message)
+
+    await application(scope, receive, send)
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    got = {k.decode(): v.decode() for k, v in start["headers"]}
+    return start["status"], got, b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+
+
+def fetch(application, method, path, body=None):
+    return asyncio.run(call(application, method, path, body))
+
+
+def sse(data: bytes) -> list:
+    events = data.decode().split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""] and all(e.startswith("data: ") for e in events[:-1])
+    return [json.loads(e[6:]) for e in events[:-2]]
+
+
+def test_the_app_configures_its_batcher_from_the_limits():
+    batcher = make_app(Limits(max_batch_size=3, batch_window_ms=5, continuous=False, max_nfe=7)).state.batcher
+    assert (batcher.max_batch_size, batcher.window_s, batcher.continuous, batcher.max_nfe) == (3, 0.005, False, 7)
+    assert batcher.continuous is False
+    batcher = make_app(Limits()).state.batcher
+    assert (batcher.max_batch_size, batcher.window_s, batcher.continuous, batcher.max_nfe) == (8, 0.01, True, None)
+    assert batcher.continuous is True
+
+
+def not_found(method, path) -> dict:
+    return {"error": {"message": f"{method} {path}: Not Found", "type": "invalid_request_error", "param": None,
+                      "code": "not_found"}}
+
+
+def test_the_app_serves_health_and_models_and_no_api_docs():
+    application = make_app()
+    status, _, body = fetch(application, "GET", "/health")
+    assert status == 200 and json.loads(body) == {
+        "status": "ok", "model": "m", "family": "masked", "device": "cpu", "active": 0, "queued": 0,
+        "decoding_rows": 0, "served": 0, "steps": 0, "rows": 0, "largest_batch": 0, "batches": 0, "abandoned": 0,
+        "failed": 0}
+    status, _, body = fetch(application, "GET", "/v1/models")
+    assert status == 200 and json.loads(body) == {"object": "list", "data": [{"id": "m", "object": "model"}]}
+    for path in ("/openapi.json", "/docs", "/redoc", "/docs/oauth2-redirect"):
+        status, _, body = fetch(application, "GET", path)
+        assert (status, json.loads(body)) == (404, not_found("GET", path))
+    status, headers, body = fetch(application, "GET", "/static/style.css")
+    assert status == 200 and headers["content-type"].startswith("text/css") and body
+
+
+def test_the_app_answers_and_streams_a_request_then_frees_its_slot():
+    application = make_app()
+    status, headers, body = fetch(application, "POST", "/v1/chat/completions",
+                                  {"messages": [{"role": "user", "content": "x"}], "n": 2})
+    got = json.loads(body)
+    assert status == 200 and headers["content-type"] == "application/json"
+    assert [c["message"] for c in got["choices"]] == [{"role": "assistant", "content": "hi"}] * 2
+    assert got["usage"] == {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4} and got["nfe"] == [2, 2]
+    status, headers, body = fetch(application, "POST", "/v1/completions", {"prompt": "x", "stream": True})
+    assert status == 200
+    assert headers["content-type"] == "text/event-stream; charset=utf-8" and headers["cache-control"] == "no-cache"
+    events = sse(body)
+    assert [e["choices"] for e in events[:2]] == [
+        [{"index": 0, "text": "hi", "logprobs": None, "finish_reason": None}],
+        [{"index": 0, "text": "", "logprobs": None, "finish_reason": "stop"}]]
+    assert events[2]["usage"] == {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3} and len(events) == 3
+    assert all(j.cancelled for j in application.jobs)  # over: the batcher drops them
+    health = json.loads(fetch(application, "GET", "/health")[2])
+    assert (health["active"], health["served"]) == (0, 2)
+
+
+BUSY = {"error": {"message": "the server is busy (1 requests under way, dlm serve --max-concurrent); retry shortly",
+                  "type": "rate_limit_error", "param": None, "code": "rate_limit_exceeded"}}
+
+
+def test_a_stream_holds_its_slot_until_it_ends_and_a_busy_server_answers_429():
+    application = make_app(Limits(max_concurrent=1), answer=False)
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+
+    async def main():
+        streaming = asyncio.create_task(call(application, "POST", "/v1/chat/completions", {**chat, "stream": True}))
+        while not application.jobs:
+            await asyncio.sleep(0.01)
+        health = json.loads((await call(application, "GET", "/health"))[2])
+        assert health["active"] == 1 and health["served"] == 0
+        busy = await call(application, "POST", "/v1/completions", {"prompt": "x"})
+        finish(application.jobs[0])
+        status, _, body = await streaming
+        health = json.loads((await call(application, "GET", "/health"))[2])
+        return busy, status, sse(body), health
+
+    (busy_status, _, busy_body), status, events, health = asyncio.run(main())
+    assert (busy_status, json.loads(busy_body)) == (429, BUSY)
+    assert status == 200 and [e["choices"][0]["delta"] for e in events[:3]] == [{"role": "assistant"},
+                                                                              {"content": "hi"}, {}]
+    assert len(application.jobs) == 1 and (health["active"], health["served"]) == (0, 1)
+
+
+def test_the_handler_refuses_past_max_concurrent_before_preparing():
+    engine = fake_engine(Limits(max_concurrent=2))
+    engine.prepare = None  # never reached
+    state = {"active": 2, "served": 0}
+    handle = app._request_handler(engine, None, state)
+    req = request([("Content-Type", "application/json")], [b'{"prompt": "x"}'])
+    with pytest.raises(ApiError) as err:
+        asyncio.run(handle(req, CompletionRequest))
+    e = err.value
+    assert (e.status, e.message, e.param, e.code, e.kind) == (
+        429, "the server is busy (2 requests under way, dlm serve --max-concurrent); retry shortly", None,
+        "rate_limit_exceeded", "rate_limit_error")
+    assert state == {"active": 2, "served": 0}
+
+
+def stream_response(chunks, send_timeout=0.05, stall=False):
+    """Run a _Stream of `chunks` to a client that reads (or, `stall`, stops reading after the response start):
+    (messages sent, job, release calls)."""
+    j, released, sent = job([[1]], stream=True), [], []
+
+    async def content():
+        for c in chunks:
+            yield c
+
+    async def main():
+        async def send(message):
+            if stall and message["type"] == "http.response.body":
+                await asyncio.sleep(10)
+            sent.append(message)
+
+        async def receive():
+            await asyncio.Event().wait()
+
+        response = app._Stream(content(), j, lambda: released.append(1), send_timeout,
+                               media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        await response({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send)
+
+    asyncio.run(main())
+    return sent, j, released
+
+
+def test_a_stream_frees_its_slot_and_cancels_its_job_however_it_ends(caplog):
+    with caplog.at_level(logging.WARNING, logger="dlm.serve"):
+        sent, j, released = stream_response(["data: a\n\n", "data: b\n\n"])
+    assert [m.get("body") for m in sent] == [None, b"data: a\n\n", b"data: b\n\n", b""] and not caplog.records
+    assert dict(sent[0]["headers"])[b"cache-control"] == b"no-cache" and j.cancelled and released == [1]
+    start = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="dlm.serve"):
+        sent, j, released = stream_response(["data: a\n\n", "data: b\n\n"], send_timeout=0.05, stall=True)
+    assert time.monotonic() - start < 5 and [m["type"] for m in sent] == ["http.response.start"]
+    assert j.cancelled and released == [1]
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("WARNING", "a streaming client read nothing for 0.05 s (dlm serve --send-timeout): its request is cancelled")]
