@@ -186,6 +186,7 @@ def test_checkpoints_carry_their_layout_and_a_mismatch_is_refused(tmp_path):
     assert strategy.trainer_state(optimizer, None)["ema"] is None
     assert FSDP2(acc, Parallelism("fsdp2", 2, 2)).trainer_state(optimizer, ema) == {
         "optimizer": None, "ema": None, "sharded": True, "deepspeed": False}
+    assert DeepSpeed(acc, Parallelism("zero2", 2, 2)).trainer_state(optimizer, None)["ema"] is None
     ds = DeepSpeed(acc, Parallelism("zero2", 2, 2)).trainer_state(optimizer, ema)
     assert (ds["optimizer"], ds["sharded"], ds["deepspeed"]) == (None, False, True) and ds["ema"] is not None
     for written, name in (({"sharded": True}, "with FSDP sharding"), ({"deepspeed": True}, "with DeepSpeed")):
@@ -217,7 +218,7 @@ def test_fsdp2_in_one_process_gathers_bf16_copies_under_bf16_and_saves_whole_wei
             model = build(spec, arch="llama", preset="nano", vocab_size=48, max_positions=32)
             whole = {k: v.detach().clone() for k, v in model.state_dict().items()}
             acc = SimpleNamespace(mixed_precision=precision, device=torch.device("cpu"), num_processes=1,
-                                  process_index=0)
+                                  process_index=0, is_main_process=True)
             strategy = FSDP2(acc, Parallelism("fsdp2", 1, 1))
             wrapped = strategy.wrap(model)
             layer = next(m for m in wrapped.modules() if type(m).__name__.endswith("LlamaDecoderLayer"))  # FSDP...
@@ -236,6 +237,19 @@ def test_fsdp2_in_one_process_gathers_bf16_copies_under_bf16_and_saves_whole_wei
         assert torch.allclose(strategy.full_weights(wrapped, ema)["backbone.lm_head.weight"],
                               (whole["backbone.lm_head.weight"] + strategy.full_weights(wrapped)[
                                   "backbone.lm_head.weight"]) / 2, atol=1e-6)  # the EMA of the two weights
+        with strategy.evaluation_model(wrapped, ema, build=lambda: build(spec, arch="llama", preset="nano",
+                                                                          vocab_size=48, max_positions=32)) as copy:
+            assert copy is not wrapped  # rank 0 evaluates a whole copy holding the gathered EMA values
+            averaged = strategy.full_weights(wrapped, ema)
+            assert all(torch.equal(v, averaged[k]) for k, v in copy.state_dict().items())
+        plain = tmp_path / "plain"
+        plain.mkdir()
+        strategy.save_state(plain, wrapped, optimizer, None)  # no EMA: none saved, none restored
+        assert torch.load(plain / "shards_rank0.pt", weights_only=False)["ema"] is None
+        kept = {k: v.clone() for k, v in ema.shadow.items()}
+        strategy.load_state(plain, {"sharded": True}, wrapped, optimizer, ema)
+        assert all(torch.equal(sharding.local(ema.shadow[k]), sharding.local(v)) for k, v in kept.items())
+        strategy.load_state(tmp_path / "plain", {"sharded": True}, wrapped, optimizer, None)
         strategy.save_state(tmp_path, wrapped, optimizer, ema)
         saved = {k: v.detach().clone() for k, v in strategy.full_weights(wrapped).items()}
         state = torch.optim.AdamW(wrapped.parameters(), lr=0.1).state_dict()
@@ -333,3 +347,34 @@ def test_deepspeed_weights_and_checkpoints(tmp_path):
     assert engine.calls[-1] == ("load", str(tmp_path / "deepspeed"), "state") and fresh.decay == 0.5
     zero2.load_state(tmp_path, {"deepspeed": True, "ema": None}, engine, None, fresh)  # nothing to restore: kept
     assert fresh.decay == 0.5
+
+
+def test_one_process_checkpoint_round_trip_restores_weights_optimizer_and_ema(tmp_path):
+    from dlm.modeling.build import build
+    from dlm.modeling.spec import ModelSpec
+
+    def nano(seed):
+        torch.manual_seed(seed)
+        spec = ModelSpec(family="masked", attention="bidirectional", mask_token_id=2, eos_token_id=1, pad_token_id=0)
+        return build(spec, arch="llama", preset="nano", vocab_size=48, max_positions=32)
+
+    acc = SimpleNamespace(unwrap_model=lambda m: m)
+    strategy = Replicated(acc, Parallelism("single", 1, 1))
+    model = nano(0)
+    optimizer, ema = torch.optim.AdamW(model.parameters(), lr=0.1), EMA(model, 0.5)
+    ids = torch.randint(3, 48, (2, 8))
+    model(ids, attention_mask=torch.ones_like(ids))[0].float().sum().backward()
+    optimizer.step()
+    ema.update(model)
+    model.backbone.save_pretrained(tmp_path / "model")
+    state = strategy.trainer_state(optimizer, ema)
+    other = nano(1)
+    fresh, fresh_ema = torch.optim.AdamW(other.parameters(), lr=0.1), EMA(other, 0.9)
+    strategy.load_state(tmp_path, state, other, fresh, fresh_ema)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in other.state_dict().items())
+    assert fresh.state_dict()["state"][0]["exp_avg"].equal(optimizer.state_dict()["state"][0]["exp_avg"])
+    assert fresh_ema.decay == 0.5 and all(torch.equal(fresh_ema.shadow[k], v) for k, v in ema.shadow.items())
+    untouched = EMA(other, 0.9)
+    strategy.load_state(tmp_path, dict(state, ema=None), other, fresh, untouched)  # written without EMA: kept
+    assert untouched.decay == 0.9
+    strategy.load_state(tmp_path, state, other, fresh, None)  # EMA off now: nothing to restore it into
