@@ -159,6 +159,12 @@ EXPLAINED: dict[str, str] = {
        "round trip in tests/test_parallel.py passes either way)" for i in (3, 5, 7)},
     **{f"training.parallel.x.Replicated.load_state__mutmut_{i}": "state.get(key, None) or state.get(key) instead of "
        "state.get(key, False): bool() of a missing flag is False either way" for i in (13, 15)},
+    "training.parallel.x.DeepSpeed.backward__mutmut_12": _INF.replace("INF", "NAN").replace("infinities", "NaN"),
+    "training.parallel.x.DeepSpeed.backward__mutmut_17": "loss / poisoned instead of loss * poisoned: poisoned is 1.0 "
+                                                         "or NaN, and x / 1 = x * 1, x / NaN = x * NaN = NaN",
+    "training.parallel.x.Replicated.evaluation_model__mutmut_3": "the full weights computed where the weights are not "
+                                                                 "partitioned too: a state dict built and never read "
+                                                                 "(that branch evaluates the live model)",
     # training/loop.py (issue 47 item 7): accelerate's reduce divides only for "mean" (and takes the max for "max");
     # any other reduction, its default included, sums: the same all-reduce
     **{f"training.loop.x.Trainer.train_step__mutmut_{i}": "reduction=None / 'XXsumXX' / 'SUM' / the default instead "
@@ -479,6 +485,9 @@ EXPLAINED: dict[str, str] = {
 # were counted equivalent until issue 43 ("everything is on the CPU here"); they are real bugs on a GPU, and
 # tests/test_device_check.py now runs the inference paths on a fake accelerator where they fail as on a GPU.
 NOT_EQUIVALENT: dict[str, str] = {
+    "training.parallel.x.Replicated.evaluation_model__mutmut_11": "the gathered evaluation copy left on the CPU "
+                                                                  "(.to(None)): a GPU run would evaluate on the CPU; "
+                                                                  "the CPU tests cannot see it",
     **{f"training.parallel.x.FSDP2.wrap__mutmut_{i}": "the accelerator's device dropped where FSDP2 shards (the mesh's "
        "device type left at cpu, or the model left where it was built): a CUDA launch would build a gloo mesh over "
        "CPU tensors; a CPU process group cannot show it" for i in (12, 13)},

@@ -4,6 +4,7 @@ one-process strategy's non-finite check, clipping, skipping, EMA weights, evalua
 two-process behaviour of DDP, FSDP2 and DeepSpeed is tested end to end in tests/test_sharded.py and
 tests/test_deepspeed*.py (slow-marked)."""
 
+from contextlib import nullcontext
 from types import SimpleNamespace
 
 import pytest
@@ -232,7 +233,9 @@ def test_fsdp2_in_one_process_gathers_bf16_copies_under_bf16_and_saves_whole_wei
         optimizer = torch.optim.AdamW(wrapped.parameters(), lr=0.1)
         ema = EMA(wrapped, 0.5)
         wrapped(ids, attention_mask=torch.ones_like(ids))[0].float().sum().backward()
-        optimizer.step()
+        applied, norm = strategy.update(wrapped, optimizer, False, 1e-3)  # clipped to a norm of 1e-3, then stepped
+        clipped = float(sharding.full(torch.nn.utils.get_total_norm([p.grad for p in wrapped.parameters()])))
+        assert applied and norm > 1e-2 and clipped == pytest.approx(1e-3, rel=1e-3)
         ema.update(wrapped)
         assert torch.allclose(strategy.full_weights(wrapped, ema)["backbone.lm_head.weight"],
                               (whole["backbone.lm_head.weight"] + strategy.full_weights(wrapped)[
@@ -336,7 +339,7 @@ def test_deepspeed_weights_and_checkpoints(tmp_path):
     ema = EMA(model, 0.5)
     zero3 = deepspeed("zero3", get_state_dict=lambda m: {"gathered": m})
     assert zero3.full_weights("engine", ema) == {"gathered": "engine"}  # ZeRO-3 gathers the partitions
-    zero2 = deepspeed("zero2", unwrap_model=lambda m: model)
+    zero2 = deepspeed("zero2", unwrap_model=lambda m: {"engine": model}[m])  # unwraps the engine it was given
     assert zero2.full_weights("engine") is None
     assert torch.equal(zero2.full_weights("engine", ema)["0.weight"], ema.shadow["0.weight"])
     engine = FakeEngine()
@@ -378,3 +381,97 @@ def test_one_process_checkpoint_round_trip_restores_weights_optimizer_and_ema(tm
     strategy.load_state(tmp_path, dict(state, ema=None), other, fresh, untouched)  # written without EMA: kept
     assert untouched.decay == 0.9
     strategy.load_state(tmp_path, state, other, fresh, None)  # EMA off now: nothing to restore it into
+
+
+def test_each_launch_gets_its_strategy_with_the_recipes_settings(monkeypatch):
+    from accelerate.utils import DistributedType
+
+    r = recipe("train.batch_size=3", "train.grad_accum=5", "optim.grad_clip=0.7")
+    asked, refused = [], []
+    monkeypatch.setattr(sharding, "configure_deepspeed", lambda *a: asked.append(a) or 3)
+    monkeypatch.setattr(parallel, "refusals", lambda backend, rec: refused.append((backend, rec)) or [])
+    acc = SimpleNamespace(num_processes=4, distributed_type=DistributedType.DEEPSPEED)
+    strategy = parallel.launched(acc, r)
+    assert type(strategy) is DeepSpeed and strategy.acc is acc and strategy.par == Parallelism("zero3", 4, 4)
+    assert asked == [(acc, 3, 5, 0.7)] and refused == [("zero3", r)]
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    monkeypatch.setenv("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "2")
+    acc = SimpleNamespace(num_processes=4, distributed_type=DistributedType.FSDP)
+    strategy = parallel.launched(acc, r)
+    assert type(strategy) is FSDP2 and strategy.acc is acc and strategy.par == Parallelism("fsdp2", 4, 2)
+    assert isinstance(strategy.par.shard, int)
+    monkeypatch.delenv("PARALLELISM_CONFIG_DP_REPLICATE_SIZE")
+    acc = SimpleNamespace(num_processes=2, distributed_type=DistributedType.FSDP)
+    assert parallel.launched(acc, r).par == Parallelism("fsdp2", 2, 2)  # two processes shard
+    monkeypatch.delenv("ACCELERATE_USE_FSDP")
+    acc = SimpleNamespace(num_processes=2, distributed_type=DistributedType.MULTI_CPU)
+    strategy = parallel.launched(acc, r)
+    assert type(strategy) is Replicated and strategy.acc is acc and strategy.par == Parallelism("ddp", 2, 1)
+    assert refused[-1] == ("ddp", r)
+
+
+def test_refusal_messages_in_full():
+    assert parallel.refusals("zero3", recipe("train.objective=reward", "train.ema_decay=0.9")) == [
+        "train.objective: reward is not supported under DeepSpeed ZeRO-3: these objectives use weights outside the "
+        "model's forward (soft embeddings, the reward head), which ZeRO-3 leaves partitioned there; use FSDP2 "
+        "(recipes/accelerate/fsdp2.yaml) or ZeRO-2",
+        "train.ema_decay: EMA is not supported under DeepSpeed ZeRO-3 (its weights are partitioned); use FSDP2 "
+        "(recipes/accelerate/fsdp2.yaml) or ZeRO-2, or set ema_decay: null"]
+
+
+def test_deepspeed_applied_nonfinite_update_message_in_full():
+    with pytest.raises(RuntimeError) as err:
+        deepspeed().update(FakeEngine(applied=True), None, True, None)
+    assert str(err.value) == (
+        "DeepSpeed applied an update whose loss was NaN/inf: its overflow check did not see the NaN gradient dlm gave "
+        "it; keep bf16.check_grad_overflow and zero_optimization.compute_grad_norm on in the DeepSpeed config")
+
+
+def test_deepspeed_builds_whole_models_under_zero3_only(monkeypatch):
+    monkeypatch.setattr(sharding, "unpartitioned", lambda acc: ("unpartitioned", acc))
+    acc = SimpleNamespace()
+    assert DeepSpeed(acc, Parallelism("zero3", 2, 2)).building() == ("unpartitioned", acc)
+    with DeepSpeed(acc, Parallelism("zero2", 2, 2)).building() as inside:
+        assert inside is None  # a plain nullcontext
+
+
+class RecordingAccelerator(SimpleNamespace):
+    def __init__(self):
+        super().__init__(calls=[])
+
+    def backward(self, loss):
+        self.calls.append(("backward", loss))
+
+    def prepare(self, model, optimizer):
+        self.calls.append(("prepare", model, optimizer))
+        return "prepared-model", "prepared-optimizer"
+
+    def no_sync(self, model):
+        self.calls.append(("no_sync", model))
+        return nullcontext("no-sync")
+
+
+def test_replicated_hands_backward_prepare_and_sync_to_accelerate():
+    acc, model, optimizer = RecordingAccelerator(), object(), torch.optim.SGD([torch.zeros(1, requires_grad=True)], 1)
+    strategy = Replicated(acc, Parallelism("ddp", 2, 1))
+    loss = torch.tensor(1.0)
+    strategy.backward(model, loss)
+    assert strategy.prepare(model, optimizer) == ("prepared-model", "prepared-optimizer")
+    with strategy.micro_batch(model, False) as inside:
+        assert inside == "no-sync"  # gradients are synchronised after the last micro-batch only
+    with strategy.micro_batch(model, True) as inside:
+        assert inside is None
+    assert acc.calls == [("backward", loss), ("prepare", model, optimizer), ("no_sync", model)]
+    wrapped = SimpleNamespace(optimizer=SimpleNamespace(optimizer=optimizer))  # accelerate's and DeepSpeed's wrappers
+    assert strategy.scheduled(wrapped) is optimizer and strategy.scheduled(optimizer) is optimizer
+
+
+def test_fsdp2_micro_batch_syncs_after_the_last_only():
+    calls = []
+    model = SimpleNamespace(set_requires_gradient_sync=calls.append)
+    strategy = FSDP2(SimpleNamespace(), Parallelism("fsdp2", 2, 2))
+    for last in (False, True):
+        with strategy.micro_batch(model, last):
+            pass
+    assert calls == [False, True]
