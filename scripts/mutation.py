@@ -159,7 +159,7 @@ EXPLAINED: dict[str, str] = {
        "round trip in tests/test_parallel.py passes either way)" for i in (3, 5, 7)},
     **{f"training.parallel.x.Replicated.load_state__mutmut_{i}": "state.get(key, None) or state.get(key) instead of "
        "state.get(key, False): bool() of a missing flag is False either way" for i in (13, 15)},
-    "training.parallel.x.DeepSpeed.backward__mutmut_12": _INF.replace("INF", "NAN").replace("infinities", "NaN"),
+    "training.parallel.x.DeepSpeed.backward__mutmut_12": "float('NAN') instead of float('nan'): the same NaN",
     "training.parallel.x.DeepSpeed.backward__mutmut_17": "loss / poisoned instead of loss * poisoned: poisoned is 1.0 "
                                                          "or NaN, and x / 1 = x * 1, x / NaN = x * NaN = NaN",
     "training.parallel.x.Replicated.evaluation_model__mutmut_3": "the full weights computed where the weights are not "
