@@ -149,6 +149,9 @@ _DEVICE_TRAINING = ("a device argument dropped in CPU-side training code (UL2 sp
                     "objectives on the fake accelerator, but these tensors are moved explicitly or never reach it")
 _INF = "float('INF') / float('-INF') parse to the same infinities"
 EXPLAINED: dict[str, str] = {
+    # ---- modeling/lora.py ----
+    "modeling.lora.x_embedding_modules__mutmut_4": "the output head listed even when get_output_embeddings() is None: "
+                                                   "every *ForCausalLM backbone dlm builds or loads has one",
     # ---- training/parallel.py ----
     "training.parallel.x_from_accelerate_config__mutmut_11": "the default distributed_type 'no' instead of 'NO': it "
                                                                "is upper-cased next",

@@ -313,3 +313,15 @@ def test_export_merge_at_a_dtype_is_the_float32_merge_rounded(tmp_path):
     assert json.loads((half / "config.json").read_text())["dtype"] == "bfloat16"
     with pytest.raises(DlmError, match="--dtype casts a merged LoRA model"):
         export_module.export(tmp_path / "base", tmp_path / "copy", merge=True, dtype="bfloat16")
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_embedding_modules_are_the_input_embedding_and_the_output_head(tied):
+    """`lora.embeddings` trains both ends of the model: untied, the head is a module of its own and must train too."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    backbone = LlamaForCausalLM(LlamaConfig(vocab_size=48, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                            num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=tied))
+    modules = lora.embedding_modules(backbone)
+    assert modules[0] is backbone.get_input_embeddings() and modules[1] is backbone.get_output_embeddings()
+    assert len(modules) == 2 and (modules[0].weight is modules[1].weight) == tied

@@ -32,10 +32,6 @@ ADAPTER = "default"  # peft's adapter name inside the modules; its files leave i
 PEFT_PREFIX = "base_model.model."  # peft's file keys are names inside a PeftModel wrapper
 
 
-def is_adapter(directory: str | Path) -> bool:
-    return (Path(directory) / ADAPTER_CONFIG).is_file()
-
-
 def linear_names(backbone: PreTrainedModel) -> list[str]:
     """Leaf names of the Linear layers of the decoder blocks (`backbone.base_model`: not the LM head, not dlm's
     extras), in order of first appearance; an already adapted layer counts under its own name."""
