@@ -676,10 +676,16 @@ def run_module(module: str, tests: list[str], workdir: Path, timeout: int, watch
 
     status = {name: status_by_exit_code[code] for name, code in codes.items()}
     if recheck is not None:
-        if set(status) != set(recheck["status"]):
-            print(f"  {module}: its mutants differ from the earlier run's (the source changed): run it whole",
+        if set(status) - set(recheck["status"]):
+            print(f"  {module}: it has mutants the earlier run did not (the source changed): run it whole",
                   flush=True)
             return recheck
+        gone = sorted(set(recheck["status"]) - set(status))  # code removed since (e.g. a dead function)
+        if gone:
+            print(f"  {module}: {len(gone)} mutants of removed code dropped", flush=True)
+            recheck = {**recheck, "status": {n: v for n, v in recheck["status"].items() if n not in gone},
+                       "survivors": {n: v for n, v in recheck["survivors"].items() if n not in gone},
+                       "removed": recheck.get("removed", []) + gone}
         status = {n: status[n] if n in names else s for n, s in recheck["status"].items()}
         rechecked = {n: recheck["survivors"][n] for n in names
                      if n in recheck["survivors"] and status[n] in ("killed", "timeout")}
