@@ -697,7 +697,7 @@ def run_module(module: str, tests: list[str], workdir: Path, timeout: int, watch
         if KILLERS else {}
     if recheck is not None:
         diffs = {n: recheck["survivors"].get(n, diffs[n]) for n in survivors}
-        return {**recheck, "tests": tests, "counts": counts, "survivors": diffs, "status": status,
+        return {**recheck, "tests": tests, "counts": counts, "total": len(status), "survivors": diffs, "status": status,
                 "rechecked": rechecked, "recheck_seconds": recheck.get("recheck_seconds", 0) + seconds}
     return {"module": module, "tests": tests, "counts": counts, "total": len(status), "survivors": diffs,
             "status": status, "killers": killers, "seconds": seconds}
