@@ -8,6 +8,7 @@ The servers here run their models in float64: batching pads a row to its neighbo
 rounding (and a carry's recurrence amplifies it, cf. test_block_decoding.py), so a near-tie can flip in float32;
 in float64 equality checks the algorithm, not the rounding."""
 
+import asyncio
 import json
 import threading
 import time
@@ -19,7 +20,11 @@ import torch
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
+from dlm.errors import DlmError  # noqa: E402
+from dlm.serve import batching  # noqa: E402
+from dlm.serve.batching import Batcher  # noqa: E402
 from dlm.serve.engine import Engine, Limits  # noqa: E402
+from dlm.serve.protocol import CompletionRequest, parse  # noqa: E402
 from tests.test_serve import build_models, client, get, running, slow  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -119,3 +124,74 @@ def test_static_batching_answers_alike(dirs):
     with running(Engine(dirs["masked"], dtype=torch.float64)) as url:
         continuous = [ask(url, "masked", p, o) for p, o in zip(PROMPTS, OPTIONS["masked"])]
     assert static == continuous and h["batches"] == len(PROMPTS) and h["steps"] == 0
+
+
+@pytest.fixture(scope="module")
+def masked(dirs):
+    return Engine(dirs["masked"], dtype=torch.float64)
+
+
+def jobs_on(engine, loop, bodies):
+    jobs = [engine.prepare(parse(CompletionRequest, body)) for body in bodies]
+    for job in jobs:
+        job.loop = loop
+    return jobs
+
+
+def drained(loop, job):
+    loop.run_until_complete(asyncio.sleep(0))
+    return [job.events.get_nowait() for _ in range(job.events.qsize())]
+
+
+def test_a_failed_step_is_logged_once_unless_the_sampler_refused_and_every_failure_counts(masked, monkeypatch,
+                                                                                          caplog):
+    for error, logged in ((RuntimeError("out of memory"), True), (DlmError("refused"), False)):
+        batcher, loop = Batcher(masked.model, masked.tok), asyncio.new_event_loop()
+
+        def fail(error=error):
+            raise error
+
+        monkeypatch.setattr(batcher.batch, "step", fail)
+        caplog.clear()
+        with caplog.at_level("ERROR", logger="dlm.serve"):
+            batcher.decode_now(jobs_on(masked, loop, [{"prompt": p, "max_tokens": 4, "u": 2} for p in "ab"]))
+        records = list(caplog.records)
+        if logged:  # the step's row count in the message, with the traceback
+            assert [r.getMessage() for r in records] == ["a decoding step over 2 rows failed"]
+            assert records[0].exc_info is not None and records[0].exc_info[1] is error
+        else:  # a sampler's refusal is the client's answer, not a server fault
+            assert records == []
+        later = jobs_on(masked, loop, [{"prompt": "c", "max_tokens": 4, "u": 2}])
+        batcher.decode_now(later)
+        assert drained(loop, later[0]) == [("error", error)]
+        assert batcher.stats["failed"] == 2, error  # every failed step counts
+        batcher._pool.shutdown()
+        loop.close()
+
+
+def test_one_steps_events_reach_the_loop_in_one_delivery_and_later_errors_still_arrive(masked, monkeypatch):
+    batcher, loop = Batcher(masked.model, masked.tok), asyncio.new_event_loop()
+    body = {"max_tokens": 6, "u": 2, "stream": True, "dlm_steps": True}
+    jobs = jobs_on(masked, loop, [{"prompt": p, **body} for p in ("a", "Mia has", "two")])
+    deliveries = []
+    deliver = batching._deliver
+    monkeypatch.setattr(batching, "_deliver", lambda events: (deliveries.append(list(events)), deliver(events))[1])
+    batcher.pending = list(jobs)
+    assert batcher._admit() == [] and len(batcher.active) == 3
+    batcher._step()
+    (events,) = deliveries  # one wake-up of the event loop for the whole step
+    assert [j for j, e in events if e[0] == "step"] == jobs  # every job's step event in it
+    assert all(j.sink is None for j in jobs)  # posting goes to the loop again between steps
+    err = RuntimeError("out of memory")
+
+    def fail():
+        raise err
+
+    monkeypatch.setattr(batcher.batch, "step", fail)
+    batcher._step()
+    for job in jobs:
+        got = drained(loop, job)
+        assert [e[0] for e in got].count("step") == 1 and got[-1] == ("error", err)
+    assert batcher.active == [] and batcher.stats["failed"] == 1
+    batcher._pool.shutdown()
+    loop.close()
