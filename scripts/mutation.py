@@ -172,6 +172,10 @@ EXPLAINED: dict[str, str] = {
     # any other reduction, its default included, sums: the same all-reduce
     **{f"training.loop.x.Trainer.train_step__mutmut_{i}": "reduction=None / 'XXsumXX' / 'SUM' / the default instead "
        "of 'sum': accelerate's reduce sums for every reduction except 'mean' and 'max'" for i in (17, 19, 21, 22)},
+    **{f"training.loop.x.Trainer._plan_update__mutmut_{i}": "reduction=None / 'XXsumXX' / 'SUM' / the default "
+       "instead of 'sum': accelerate's reduce sums for every reduction except 'mean' and 'max'" for i in (25, 27, 28, 29)},
+    "training.loop.x.Trainer.train_step__mutmut_62": "get_last_lr()[1]: the second param group (no weight decay) "
+                                                     "follows the same schedule, so the same LR",
     "training.loop.x.Trainer.train_step__mutmut_36": "zero_grad(set_to_none=None): accelerate's AcceleratedOptimizer "
                                                      "turns None into True before calling the optimizer's zero_grad",
     "training.ema.x__trainable__mutmut_1": "named_parameters(remove_duplicate=None): None is falsy, as False",
@@ -488,6 +492,15 @@ EXPLAINED: dict[str, str] = {
 # were counted equivalent until issue 43 ("everything is on the CPU here"); they are real bugs on a GPU, and
 # tests/test_device_check.py now runs the inference paths on a fake accelerator where they fail as on a GPU.
 NOT_EQUIVALENT: dict[str, str] = {
+    **{f"training.loop.x.Trainer.{f}__mutmut_{i}": "a device argument dropped in the update (the loss accumulator, "
+       "the batch or the loss counts left on the CPU): a GPU run would fail or mix devices; the CPU tests cannot "
+       "see it (benchmarks/gpu_check.sh trains on the GPU)" for f, i in (("_accumulate", 4), ("_accumulate", 6),
+                                                                         ("_plan_update", 5), ("_plan_update", 18),
+                                                                         ("_plan_update", 20))},
+    **{f"training.loop.x.Trainer._accumulate__mutmut_{i}": "the micro-batch's gradient-sync context given no model "
+       "or another flag: one process has no sync to skip; a launch would sync at the wrong micro-batch (the flag "
+       "inverted is planted mutant loop-sync-on-the-first-micro-batch, caught by tests/test_sharded.py's DDP "
+       "accumulation job)" for i in (13, 14, 17, 18, 19)},
     "training.parallel.x.Replicated.evaluation_model__mutmut_11": "the gathered evaluation copy left on the CPU "
                                                                   "(.to(None)): a GPU run would evaluate on the CPU; "
                                                                   "the CPU tests cannot see it",
@@ -571,22 +584,37 @@ Notes on reading the table:
   (the compiled flex-vs-dense logits test stays out: ~1 min cold per run); the flex-only functions no longer show
   as "no tests".
 - Issue 47 item 7 (2026-12-06, the same 2-core machine): the code added since the core's run (serve/, the release
-  formats, conversion, export, LoRA, model resolution, the lm-eval adapter) is mapped and run. Where its "before"
-  is given, it is the first run with the tests that existed (`mutation-before.json`), and "after" the rerun with the
-  tests written against its survivors (tests/test_serve_access.py, test_serve_protocol.py, ...). serve/protocol.py,
-  stream.py, engine.py, batching.py, app.py and evaluation/lm_eval.py have no "before": their tests reach them
-  mostly through running servers or lm-eval runs (20-60 s a surviving mutant), so unit tests
-  (test_serve_protocol.py, test_serve_stream.py, test_serve_engine.py, test_serve_batching.py, test_serve_app.py,
-  test_lm_eval_adapter.py) were written from the code first and mutmut ran with them. A "minutes" of "a + b": the
-  whole run, then `--recheck` (only the unexplained survivors rerun, after the tests written against them); the
-  survivors it killed are listed "killed after". Item 7's runs shared the 2 cores with other sessions' demo and
-  training runs, so the runs were cut short: modeling/formats.py after 202 of its 323 mutants, modeling/convert.py
-  at its 420 s `--timeout` after 126 of 408, serve/batching.py at 600 s after 175 of 372 (the mutants mutmut
-  orders first: those with the fastest tests). No checked mutant of formats or convert survived; their timeouts are
-  mutants whose tests ran past mutmut's CPU limit under that load (counted as caught, as mutmut does); the rest are
-  not checked, and the score counts only the checked ones. Not run for time: modeling/export.py, modeling/lora.py,
-  serve/app.py, evaluation/lm_eval.py (its unit tests, tests/test_lm_eval_adapter.py, are in) and the rerun of
-  evaluation/elbo.py; training/loop.py and training/parallel.py were being refactored and were not mapped."""
+  formats, conversion, export, LoRA, model resolution, the lm-eval adapter) and the training loop's normalisation
+  and skipping and the parallel strategies are mapped and run. Where its "before" is given, it is the first run
+  with the tests that existed (`mutation-before.json`), and "after" the rerun with the tests written against its
+  survivors. serve/protocol.py, stream.py, engine.py, batching.py, app.py and evaluation/lm_eval.py have no
+  "before": their tests reach them mostly through running servers or lm-eval runs (20-60 s a surviving mutant), so
+  unit tests (test_serve_protocol.py, test_serve_stream.py, test_serve_engine.py, test_serve_batching.py,
+  test_serve_app.py, test_lm_eval_adapter.py) were written from the code first and mutmut ran with them. A
+  "minutes" of "a + b": the whole run, then `--recheck` (the unexplained survivors rerun after the tests written
+  against them, and for a module checked in part the mutants a cut run did not reach); the survivors it killed are
+  listed "killed after".
+- Runs cut short. Item 7's runs shared the 2 cores (up to five mutmut runs and a test session at once in its second
+  session), so several stopped at their `--timeout` with mutants "not checked" (the "other" of the mutants column);
+  the score counts only the checked ones, and mutmut orders the mutants with the fastest tests first, so the
+  unchecked ones are those behind the slowest tests. Timeouts are mutants whose tests ran past mutmut's CPU-time
+  limit, counted as caught as mutmut does; under that load many are slow tests rather than loops (formats,
+  convert and LoRA have the most). Cut: modeling/formats.py, modeling/convert.py, serve/batching.py, serve/app.py,
+  evaluation/lm_eval.py (its checked survivors all killed or explained), modeling/lora.py and modeling/export.py
+  (their tests train and merge models: tens of seconds a mutant here). No checked mutant of formats or convert
+  survived.
+- training/loop.py is checked in part (`FUNCTIONS`): the update's three methods (`train_step`, `_plan_update`,
+  `_accumulate`), the normalisation and skipping the issue names; the rest of the loop's mutants count as "not
+  checked". Its two reductions over processes cannot differ in one process (accelerate's reduce is then the
+  identity): they are checked by planted mutants against the two-process tests, as are FSDP2's and DeepSpeed's
+  methods, which run only inside `accelerate launch` processes that import dlm from src/, out of mutmut's reach
+  (`scripts/planted_mutants.py`, [mutation-planted.md](mutation-planted.md)). training/parallel.py's row is its
+  unit tests (tests/test_parallel.py: the description, the refusals, each launch's strategy, the one-process and
+  DDP strategy against a recording accelerator, FSDP2 over a one-process gloo group, DeepSpeed against a recording
+  fake engine); the two planted mutants that survived the launches (bf16 gathers, the DeepSpeed loss check) are
+  killed there.
+- Code removed after a run: `lora.is_adapter` (no caller anywhere) went after the LoRA run found its 2 mutants
+  untested; `--recheck` dropped them (the row's `removed`)."""
 
 
 def undecorate(source: str) -> str:

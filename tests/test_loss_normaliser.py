@@ -98,3 +98,36 @@ def test_the_trainers_update_is_the_gradient_of_the_mean_over_loss_positions(tmp
     assert all(torch.allclose(seen["grads"][n], want[n], rtol=1e-4, atol=1e-7) for n in want)
     assert out["loss"] == pytest.approx(float(loss), rel=1e-5)
     assert out["grad_norm"] == pytest.approx(float(torch.nn.utils.get_total_norm(list(want.values()))), rel=1e-4)
+
+
+def test_each_micro_batch_is_planned_with_its_update_and_index_and_lossed_with_its_own_plan(tmp_path):
+    """The trainer asks the objective for micro-batch m of update s as plan(batch, s, m) (simplex keys its shared
+    choices by the update), hands that very plan to loss, divides by at least 1 and logs the scheduled LR."""
+    from dlm.training.loop import Trainer, lr_lambda
+    from tests.test_training import small_recipe
+
+    recipe = small_recipe(tmp_path / "run", tmp_path / "data", "train.steps=2", "train.grad_accum=2",
+                          "train.batch_size=2", "optim.warmup_steps=2")
+    trainer = Trainer(recipe, progress=False)
+    planned, lossed = [], []
+    real_plan, real_loss = trainer.objective.plan, trainer.objective.loss
+
+    def plan(batch, *args):
+        planned.append((args, real_plan(batch, *args)))
+        return planned[-1][1]
+
+    def loss(model, batch, plan=None):
+        lossed.append(plan)
+        return real_loss(model, batch, plan)
+
+    trainer.objective.plan, trainer.objective.loss = plan, loss
+    outs = [trainer.train_step(), trainer.train_step()]
+    assert [args for args, _ in planned] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert all(got is p for got, (_, p) in zip(lossed, planned, strict=True))
+    oc = recipe.optim
+    assert [o["lr"] for o in outs] == pytest.approx([oc.lr * lr_lambda(s, oc.warmup_steps, 2, oc.schedule,
+                                                                      oc.min_lr_ratio) for s in (1, 2)])
+    trainer.objective.plan = lambda batch, update, micro: {"count": torch.tensor(micro)}  # counts 0 and 1
+    assert float(trainer._plan_update()[2]) == 1.0
+    trainer.objective.plan = lambda batch, update, micro: {"count": torch.tensor(0)}  # nothing to learn from
+    assert float(trainer._plan_update()[2]) == 1.0  # the divisor never falls below 1
