@@ -173,7 +173,8 @@ EXPLAINED: dict[str, str] = {
     **{f"training.loop.x.Trainer.train_step__mutmut_{i}": "reduction=None / 'XXsumXX' / 'SUM' / the default instead "
        "of 'sum': accelerate's reduce sums for every reduction except 'mean' and 'max'" for i in (17, 19, 21, 22)},
     **{f"training.loop.x.Trainer._plan_update__mutmut_{i}": "reduction=None / 'XXsumXX' / 'SUM' / the default "
-       "instead of 'sum': accelerate's reduce sums for every reduction except 'mean' and 'max'" for i in (25, 27, 28, 29)},
+       "instead of 'sum': accelerate's reduce sums for every reduction except 'mean' and 'max'"
+       for i in (25, 27, 28, 29)},
     "training.loop.x.Trainer.train_step__mutmut_62": "get_last_lr()[1]: the second param group (no weight decay) "
                                                      "follows the same schedule, so the same LR",
     "training.loop.x.Trainer.train_step__mutmut_36": "zero_grad(set_to_none=None): accelerate's AcceleratedOptimizer "
