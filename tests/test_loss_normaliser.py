@@ -89,6 +89,7 @@ def test_the_trainers_update_is_the_gradient_of_the_mean_over_loss_positions(tmp
 
     trainer._plan_update, trainer.parallel.update = plan_update, update
     out = trainer.train_step()
+    assert trainer.tokens_seen == sum(int(b["attention_mask"].sum()) for b in seen["batches"])  # both micro-batches
     total = sum(float(p["count"]) for p in seen["plans"])
     assert float(seen["total"]) == total > 0
     loss = sum(trainer.objective.loss(before, b, p)[0] for b, p in zip(seen["batches"], seen["plans"])) / total
