@@ -819,7 +819,9 @@ def write_report(results: list[dict], before: dict[str, dict], path: Path, comma
         equivalent = sum(1 for n in r["survivors"] if short(n) in EXPLAINED)
         live = k + to + sv - equivalent
         after_ne = f"{(k + to) / max(1, live):.0%}"
-        lines.append(f"| {r['module']} | {tests} | {r['total']} | {bcol} | {k} / {sv} / {to} | {score} | "
+        checked = k + sv + to  # a run cut by its timeout leaves the rest "not checked"
+        mutants = f"{r['total']}" if checked == r["total"] else f"{r['total']} ({checked} checked)"
+        lines.append(f"| {r['module']} | {tests} | {mutants} | {bcol} | {k} / {sv} / {to} | {score} | "
                      f"{equivalent} | {after_ne} | {_minutes(r)} |")
     lines += ["", NOTES]
     if not_run:
