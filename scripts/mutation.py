@@ -647,16 +647,21 @@ def undecorate(source: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def scratch_copy(module: str, tests: list[str], workdir: Path) -> Path:
-    dest = workdir / module.replace("/", "_").removesuffix(".py")
+def copy_worktree(dest: Path) -> Path:
+    """A fresh copy at `dest` of the working tree's tracked and untracked (not ignored) files, docs/ left out."""
     if dest.exists():
         shutil.rmtree(dest)
     files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, check=True,
-                           capture_output=True, text=True).stdout.split("\n")
+                           capture_output=True, text=True).stdout.splitlines()
     for f in files:
-        if f and (ROOT / f).is_file() and not f.startswith("docs/"):
+        if (ROOT / f).is_file() and not f.startswith("docs/"):
             (dest / f).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / f, dest / f)
+    return dest
+
+
+def scratch_copy(module: str, tests: list[str], workdir: Path) -> Path:
+    dest = copy_worktree(workdir / module.replace("/", "_").removesuffix(".py"))
     target = dest / "src" / "dlm" / module
     target.write_text(undecorate(target.read_text()))
     pyproject = dest / "pyproject.toml"

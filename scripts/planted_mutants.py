@@ -19,12 +19,13 @@ import datetime
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from mutation import copy_worktree  # scripts/ is on sys.path when this runs as a script
 
 ROOT = Path(__file__).resolve().parents[1]
 STRATEGIES = "src/dlm/training/parallel.py"
@@ -102,21 +103,6 @@ MUTANTS = [
 ]
 
 
-def scratch(workdir: Path) -> Path:
-    """A copy of the working tree's tracked and untracked (not ignored) files, tests and source."""
-    dest = workdir / "tree"
-    if dest.exists():
-        shutil.rmtree(dest)
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, check=True,
-                           capture_output=True, text=True).stdout.splitlines()
-    for f in files:
-        if f.startswith(("src/", "tests/", "recipes/", "benchmarks/")) or f in ("pyproject.toml", "conftest.py"):
-            if (ROOT / f).is_file():
-                (dest / f).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(ROOT / f, dest / f)
-    return dest
-
-
 def run(mutant: Mutant, tree: Path) -> dict:
     target = tree / mutant.path
     original = target.read_text()  # the scratch copy, as the tree was when the run began
@@ -183,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         raise SystemExit(f"unknown mutant(s) {unknown}; see --list")
     results = {r["name"]: r for r in json.loads(args.json.read_text())} if args.json.exists() else {}
-    tree = scratch(args.workdir)
+    tree = copy_worktree(args.workdir / "tree")
     for name in args.names or list(by_name):
         print(f"{name}: {' '.join(by_name[name].tests)}", flush=True)
         results[name] = run(by_name[name], tree)
