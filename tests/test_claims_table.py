@@ -63,7 +63,7 @@ def _claim(cid, evidence):
 def test_verdicts_from_synthetic_study_tables(tmp_path):
     plans, results, table = _study(tmp_path)
     rep = table.compare("better", "b", "e")
-    assert rep["n_seeds"] == 3 and rep["low"] > 0 and rep["consistent"] and verdict(rep) == "reproduced"
+    assert rep["n_seeds"] == 3 and rep["low"] > 0 and rep["same_sign"] and verdict(rep) == "reproduced"
     small = table.compare("slightly", "b", "e")
     assert small["difference"] == pytest.approx(0.005) and small["low"] < 0 < small["high"]
     assert verdict(small) == "partly"  # right sign, CI includes 0
@@ -73,14 +73,17 @@ def test_verdicts_from_synthetic_study_tables(tmp_path):
     assert worse["high"] < 0 and verdict(worse) == "not"
     # "matches": a deficit inside the margin is reproduced with 3 seeds, one beyond it is not
     assert verdict(small | {"difference": -0.005, "low": -0.015, "high": 0.005}, "not_lower", 2) == "reproduced"
-    assert verdict(small | {"difference": -0.005, "low": -0.03, "high": 0.02}, "not_lower", 2) == "partly"
+    # a CI that holds both -m and 0 cannot tell "worse by m" from "no worse"; one below 0 that reaches past -m is partly
+    assert verdict(small | {"difference": -0.005, "low": -0.03, "high": 0.02}, "not_lower", 2) == "inconclusive"
+    assert verdict(small | {"difference": -0.01, "low": -0.025, "high": -0.005}, "not_lower", 2) == "partly"
     assert verdict(worse, "not_lower", 2) == "not"
     assert verdict(one | {"difference": 0.0, "low": -0.01, "high": 0.01}, "not_lower", 2) == "partly"  # 1 seed
-    # "stays close" (within ±m either way): the whole CI inside ±m; a CI that reaches past +m is only partly, where
-    # not_lower would have called it reproduced
+    # "stays close" (within ±m either way): the whole CI inside ±m; a CI holding 0 that reaches past +m is
+    # inconclusive, where not_lower would have called it reproduced; one above 0 that reaches past +m is partly
     assert verdict(small | {"difference": 0.005, "low": -0.015, "high": 0.015}, "within", 2) == "reproduced"
     wide = small | {"difference": 0.019, "low": -0.012, "high": 0.05}
-    assert verdict(wide, "within", 2) == "partly" and verdict(wide, "not_lower", 2) == "reproduced"
+    assert verdict(wide, "within", 2) == "inconclusive" and verdict(wide, "not_lower", 2) == "reproduced"
+    assert verdict(small | {"difference": 0.015, "low": 0.005, "high": 0.03}, "within", 2) == "partly"
     assert verdict(small | {"difference": -0.025, "low": -0.04, "high": -0.01}, "within", 2) == "not"
     assert verdict(one | {"difference": 0.0, "low": -0.01, "high": 0.01}, "within", 2) == "partly"  # 1 seed
 
@@ -111,7 +114,9 @@ def test_verdicts_from_synthetic_study_tables(tmp_path):
     assert rows["rep"][6].startswith(f"[{low:+.1f}, {high:+.1f}]")
     assert f", {100 * rep['difference']:+.1f} points" in rows["rep"][3]
     assert "Generated on 2026-12-01 by `python benchmarks/claims_table.py`" in (results / "README.md").read_text()
-    assert "- `rep`: A reader note\n" in (results / "README.md").read_text()  # a study's note, shown with its row
+    note = next(x for x in (results / "README.md").read_text().splitlines() if x.startswith("- `rep`: "))
+    assert note.endswith("; A reader note")  # a study's note, shown with its row after what the rule read
+    assert "no paper number: smallest effect of interest 5 points" in note and "per seed " in note
 
 
 def test_a_fixed_start_is_one_measurement_not_three_seeds_with_zero_spread(tmp_path):
@@ -229,7 +234,7 @@ def test_readme_block_is_replaced_and_links_point_into_docs(tmp_path):
      "unknown field(s) ['sektion']"),
     ("- id: [x\n", "not valid YAML"),
     (_claim("x", "study: {plan: toy, arm_a: better, arm_b: b, eval: e, at_most: partly}"),
-     "'evidence.study.at_most' can only be partly, with a note"),
+     "'evidence.study.at_most' can only be partly or inconclusive, with a note"),
     (_claim("x", "study: {plan: toy, arm_a: better, arm_b: b, eval: e, at_most: not, note: n}"),
      "'evidence.study.at_most' can only be partly"),
     (_claim("x", "study: {plan: toy, arm_a: better, arm_b: b, eval: e, also: {number: '2x'}}"),
@@ -427,3 +432,33 @@ def test_time_to_go_estimates_measure_tables_from_their_cells(tmp_path):
     table.add_measure("b", 0, "val", [1.0, 2.0], problems="p", train_seconds=600.0, seconds=60.0)
     to_go, unmeasured = studies_progress._time_to_go(plan, table)
     assert unmeasured == [] and to_go == pytest.approx(2 * 300 + 2 * (600 + 60))
+
+
+def test_caps_floor_and_untested_setting():
+    """A reproduced comparison against an arm at the floor reads partly; at_most: inconclusive turns any verdict
+    into inconclusive and says what was measured; at_most: partly caps only reproduced."""
+    from studies.evidence import _cap
+
+    assert _cap("reproduced", {}, floor="scratch") == "partly (capped: scratch at the floor)"
+    assert _cap("not", {}, floor="scratch") == "not"
+    assert _cap("not", {"at_most": "inconclusive"}).startswith("inconclusive (capped: not as measured")
+    assert _cap("reproduced", {"at_most": "partly"}) == "partly (capped: the comparison alone reproduces)"
+    assert _cap("inconclusive", {"at_most": "partly"}) == "inconclusive"
+
+
+def test_adopted_claims_read_consistent(tmp_path):
+    plans, results, table = _study(tmp_path)
+    claims = tmp_path / "claims.yaml"
+    claims.write_text("claims:\n" + "".join([
+        _claim("adopt", "study: {plan: toy, arm_a: better, arm_b: b, eval: e, adopted: true}"),
+        _claim("adopt-worse", "study: {plan: toy, arm_a: worse, arm_b: b, eval: e, adopted: true}"),
+        _claim("effect", "study: {plan: toy, arm_a: slightly, arm_b: b, eval: e, effect: 1.0}"),
+    ]))
+    (results / "README.md").write_text("")
+    _run(claims, results, plans, "", "--date", "2026-12-06")
+    text = (results / "README.md").read_text()
+    rows = {line.split("|")[1].strip(" `"): line for line in text.splitlines() if line.startswith("| `")}
+    assert "**consistent**" in rows["adopt"] and "**not**" in rows["adopt-worse"]
+    assert "**inconclusive · not pre-registered**" in rows["effect"]  # +0.5 points, a CI holding 0 and the paper's 1 point
+    assert "paper's effect 1 points, inside the interval with 0; this design detects" in text
+    assert "3 claims: 0 reproduced, 1 consistent, 0 partly, 1 inconclusive, 0 not run, 1 not" in text

@@ -77,10 +77,10 @@ def test_mask_discrepancy_study_runs_resumes_and_reports(tmp_path, monkeypatch):
 def test_verdict_follows_the_claimed_direction():
     import mask_discrepancy_study as study
 
-    base = {"n_seeds": 3, "consistent": True}
+    base = {"n_seeds": 3, "same_sign": True}
     assert study.verdict({**base, "difference": -0.1, "low": -0.15, "high": -0.05}, "lower") == "reproduced"
     assert study.verdict({**base, "difference": -0.1, "low": -0.15, "high": 0.01}, "lower") == "partly"
-    assert study.verdict({**base, "difference": -0.1, "low": -0.15, "high": -0.05, "consistent": False},
+    assert study.verdict({**base, "difference": -0.1, "low": -0.15, "high": -0.05, "same_sign": False},
                          "lower") == "partly"
     assert study.verdict({**base, "difference": 0.1, "low": 0.05, "high": 0.15}, "lower") == "not"
     assert study.verdict({**base, "difference": 0.1, "low": 0.05, "high": 0.15}, "higher") == "reproduced"

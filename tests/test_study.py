@@ -3,6 +3,7 @@
 import json
 
 import numpy as np
+from scipy.stats import t as scipy_t
 import pytest
 
 from dlm.evaluation.stats import PairingError, mcnemar_exact
@@ -134,7 +135,7 @@ def test_summary_and_compare_pair_by_problem(tmp_path):
     assert s["mean"] == pytest.approx(2.5 / 3) and s["sd"] == pytest.approx(np.std([0.75, 0.75, 1.0], ddof=1))
     c = t.compare("w2", "mdm", "u=2")
     assert c["seeds"] == [0, 1, 2] and c["difference"] == pytest.approx((2 + 1 + 2) / 4 / 3)
-    assert c["per_seed_difference"] == pytest.approx([0.5, 0.25, 0.5]) and c["consistent"]
+    assert c["per_seed_difference"] == pytest.approx([0.5, 0.25, 0.5]) and c["same_sign"]
     t.add("mdm", 0, "u=2/unseen", _result([0, 0, 0, 0]), problems="other")
     t.add("w2", 0, "u=2/unseen", _result([1, 0, 0, 0]), problems="other")
     with pytest.raises(StudyError, match="same problems"):
@@ -168,13 +169,26 @@ def test_compare_seeds_matches_a_slow_reference():
     d = [sum(int(a[s][i]) - int(b[s][i]) for s in range(3)) / 3 for i in range(200)]  # per problem, seeds averaged
     assert r["difference"] == pytest.approx(sum(d) / 200)
     assert r["accuracy_a"] == pytest.approx(a.mean()) and r["n"] == 200 and r["n_seeds"] == 3
-    # the bootstrap CI of a mean of d: about ±1.96 standard errors
+    # the problems-only bootstrap CI of a mean of d: about ±1.96 standard errors
     se = np.std(d, ddof=1) / np.sqrt(200)
-    assert r["low"] == pytest.approx(r["difference"] - 1.96 * se, abs=0.012)
-    assert r["high"] == pytest.approx(r["difference"] + 1.96 * se, abs=0.012)
-    assert r["test"] == "sign-flip" and r["p_value"] < 0.01
+    assert r["low_problems"] == pytest.approx(r["difference"] - 1.96 * se, abs=0.012)
+    assert r["high_problems"] == pytest.approx(r["difference"] + 1.96 * se, abs=0.012)
+    assert r["test"] == "two-level t" and r["p_problems"] < 0.01
+    # the two-level interval, recomputed by loops from its definition (seeds x problems table)
+    D = [[int(a[s][i]) - int(b[s][i]) for i in range(200)] for s in range(3)]
+    seed_means = [sum(row) / 200 for row in D]
+    grand = sum(seed_means) / 3
+    var_s = sum((m - grand) ** 2 for m in seed_means) / 2
+    var_i = sum((x - grand) ** 2 for x in d) / 199
+    resid = sum((D[s][i] - seed_means[s] - d[i] + grand) ** 2 for s in range(3) for i in range(200)) / (2 * 199)
+    part, part_df = max((var_s / 3, 2), (resid / 600, 2 * 199))
+    problems = max(0.0, var_i / 200 - resid / 600)
+    df = (part + problems) ** 2 / (part ** 2 / part_df + problems ** 2 / 199)
+    half = max(scipy_t.ppf(0.975, df) * (part + problems) ** 0.5, scipy_t.ppf(0.975, 2) * (var_s / 3) ** 0.5)
+    assert r["low"] == pytest.approx(grand - half) and r["high"] == pytest.approx(grand + half)
+    assert r["low"] < r["low_problems"] and r["interval"] == "seeds and problems"
     same = compare_seeds(a, a, n_resamples=500)
-    assert same["difference"] == 0 and same["p_value"] == 1.0 and not same["consistent"]
+    assert same["difference"] == 0 and same["p_value"] == 1.0 and not same["same_sign"]
 
 
 def test_equal_totals_are_exactly_no_difference_and_verdict_not():
@@ -199,7 +213,7 @@ def test_sign_flip_p_reduces_to_mcnemar_for_one_seed_repeated():
     one = compare_seeds([a], [b])
     assert one["test"] == "mcnemar" and one["p_value"] == exact
     twice = compare_seeds([a, a], [b, b], n_resamples=20000)  # the same seed twice: the same per-problem d
-    assert twice["p_value"] == pytest.approx(exact, abs=0.02)
+    assert twice["p_problems"] == pytest.approx(exact, abs=0.02)
 
 
 def test_compare_values_is_compare_seeds_on_outcomes_and_skips_missing_values():
@@ -209,7 +223,7 @@ def test_compare_values_is_compare_seeds_on_outcomes_and_skips_missing_values():
     a = rng.random((3, 150)) < 0.6
     b = rng.random((3, 150)) < 0.4
     binary, values = compare_seeds(a, b, n_resamples=3000), compare_values(a, b, n_resamples=3000)
-    for k in ("difference", "low", "high", "p_value", "per_seed_difference", "consistent", "n"):
+    for k in ("difference", "low", "high", "p_value", "per_seed_difference", "same_sign", "n"):
         assert values[k] == pytest.approx(binary[k])  # the same resamples: the same CI and p
     assert values["mean_a"] == pytest.approx(binary["accuracy_a"])
     # continuous values, one problem missing in one seed, one problem missing everywhere
@@ -221,7 +235,7 @@ def test_compare_values_is_compare_seeds_on_outcomes_and_skips_missing_values():
     assert r["n"] == 39  # problem 7 has no pair in any seed
     want = np.mean([np.nanmean([x[s, i] - y[s, i] for s in range(3)]) for i in range(40) if i != 7])
     assert r["difference"] == pytest.approx(want) and r["low"] < want < r["high"] and r["low"] > 0.04
-    assert r["consistent"] and r["p_value"] < 0.01
+    assert r["same_sign"] and r["p_value"] < 0.01
     with pytest.raises(PairingError, match="shapes"):
         compare_values([[1.0, 2.0]], [[1.0]])
 
@@ -234,7 +248,7 @@ def test_compare_seeds_refuses_unpaired_input_and_formats():
     line = format_seed_comparison(compare_seeds([[1] * 30 + [0] * 10] * 3, [[0] * 20 + [1] * 20] * 3,
                                                 n_resamples=500))
     assert line.startswith("75.0 ± 0.0 % vs 50.0 ± 0.0 % (n=40, 3 seeds): +25.0 points, 95 % CI [")
-    assert "sign-flip p = " in line and line.endswith("same sign in every seed")
+    assert " t p = " in line and "detectable" in line and line.endswith("same sign in every seed")
 
 
 def test_fingerprint_and_problem_digest(tmp_path):
@@ -310,3 +324,74 @@ def test_pair_outcomes_pairs_a_samples_file_with_a_table_cell(tmp_path):
     table.write_text(json.dumps({"rows": [{"model": "m", "correct": [1, 0]}]}))
     with pytest.raises(DlmError, match="not the same problems"):
         pair(f"{samples}?model=x", f"{table}?model=m")
+
+
+def _coverage(sd_seed: float, sd_problem: float, sd_noise: float, sims: int = 300, S: int = 3, n: int = 200):
+    """Share of simulated studies (d = μ + α_s + β_i + ε, a fresh problem set and seeds each time) whose interval
+    holds μ: the two-level one, and a t over the per-seed means alone; and the mean of the estimated se² against
+    the true variance of the mean."""
+    from studies.stats import two_level
+
+    rng = np.random.default_rng(11)
+    mu, hits2, hits1, se2 = 0.05, 0, 0, []
+    true_var = sd_seed ** 2 / S + sd_problem ** 2 / n + sd_noise ** 2 / (S * n)
+    for _ in range(sims):
+        D = mu + rng.normal(0, sd_seed, (S, 1)) + rng.normal(0, sd_problem, (1, n)) + rng.normal(0, sd_noise, (S, n))
+        r = two_level(D, float(D.mean()), 0.95)
+        hits2 += r["low"] <= mu <= r["high"]
+        m = D.mean(axis=1)
+        half = scipy_t.ppf(0.975, S - 1) * m.std(ddof=1) / np.sqrt(S)
+        hits1 += abs(m.mean() - mu) <= half
+        se2.append(r["se"] ** 2)
+    return hits2 / sims, hits1 / sims, float(np.mean(se2)) / true_var
+
+
+def test_two_level_interval_covers_where_a_seeds_only_t_does_not():
+    """Where the problems' effect dominates (a fixed problem set that is easy or hard for one arm), a t over the
+    per-seed means misses: every seed scores the same problems, so none shows that error. The two-level interval
+    keeps its 95 % and its variance estimate is unbiased; where seeds dominate it is no narrower than the t."""
+    two, seeds_only, ratio = _coverage(sd_seed=0.005, sd_problem=0.5, sd_noise=0.3)
+    assert two >= 0.92 and seeds_only < 0.85 and ratio == pytest.approx(1.0, abs=0.15)
+    two, seeds_only, ratio = _coverage(sd_seed=0.05, sd_problem=0.05, sd_noise=0.3)
+    assert two >= 0.91 and seeds_only >= 0.9 and ratio == pytest.approx(1.0, abs=0.2)
+
+
+def test_two_level_with_one_seed_and_agreeing_seeds():
+    """One seed: no between-seed variance, so no two-level interval (the problems-only one is reported, marked).
+    Seeds that agree exactly by chance do not shrink the interval to a point: the interaction floors it."""
+    from studies.stats import two_level
+
+    rng = np.random.default_rng(0)
+    a = rng.random((1, 300)) < 0.5
+    b = rng.random((1, 300)) < 0.4
+    one = compare_seeds(a, b, n_resamples=500)
+    assert one["interval"] == "problems only (1 seed)" and one["se"] is None
+    assert (one["low"], one["high"]) == (one["low_problems"], one["high_problems"])
+    D = np.zeros((3, 100))
+    for s in range(3):  # +1 on 6 problems and -1 on 3, other problems in every seed: equal per-seed means
+        D[s, rng.choice(100, 9, replace=False)] = [1] * 6 + [-1] * 3
+    r = two_level(D, float(D.mean()), 0.95)
+    assert np.ptp(D.mean(axis=1)) == 0 and r["se"] > 0 and r["low"] < 0.03 < r["high"]
+
+
+@pytest.mark.parametrize("d, low, high, seeds, same, expect, margin, effect, adopted, want", [
+    (0.06, 0.02, 0.10, 3, True, "higher", 0, 0.05, False, "reproduced"),
+    (0.06, 0.02, 0.10, 3, False, "higher", 0, 0.05, False, "partly"),      # a seed with the other sign
+    (0.06, 0.02, 0.10, 2, True, "higher", 0, 0.05, False, "partly"),       # 2 seeds, CI excludes 0
+    (0.03, -0.02, 0.08, 3, True, "higher", 0, 0.05, False, "inconclusive"),  # holds 0 and the paper's 5 points
+    (0.01, -0.01, 0.03, 3, True, "higher", 0, 0.05, False, "partly"),      # smaller than the paper's, maybe 0
+    (-0.01, -0.03, 0.01, 3, True, "higher", 0, 0.05, False, "not"),        # excludes the paper's effect
+    (-0.02, -0.10, 0.06, 3, True, "higher", 0, 0.05, False, "inconclusive"),
+    (-0.06, -0.10, -0.02, 3, True, "lower", 0, 0.05, False, "reproduced"),  # lower: the signs turned
+    (0.10, 0.05, 0.15, 3, True, "higher", 0, 0.05, True, "consistent"),    # adopted: nothing to reproduce
+    (-0.01, -0.05, 0.03, 3, True, "higher", 0, 0.05, True, "consistent"),
+    (-0.05, -0.08, -0.02, 3, True, "higher", 0, 0.05, True, "not"),        # adopted but measurably worse
+    (-0.03, -0.05, -0.01, 3, True, "not_lower", 0.02, None, False, "not"),
+    (-0.01, -0.03, 0.01, 3, True, "not_lower", 0.02, None, False, "inconclusive"),
+    (0.00, -0.01, 0.01, 3, True, "within", 0.02, None, False, "reproduced"),
+    (0.03, 0.01, 0.05, 3, True, "within", 0.02, None, False, "not"),
+])
+def test_verdict_vocabulary(d, low, high, seeds, same, expect, margin, effect, adopted, want):
+    from studies.stats import judge
+
+    assert judge(d, low, high, seeds, same, expect, margin, effect, adopted) == want

@@ -337,10 +337,11 @@ def test_study_report_writes_the_marked_section_from_a_synthetic_table(tmp_path)
     even = compare_seeds([outcomes["b", s, "u=2"] for s in (0, 1, 2)], [outcomes["c", s, "u=2"] for s in (0, 1, 2)])
     assert even["low"] < 0 < even["high"] and f"**{seed_verdict(even)}**" in lines["b vs c @ u=2"]
     assert "**not (CI excludes 0)**" in lines["c vs a @ u=2"]
-    assert "**partly (provisional: 2 of 3 seeds)**" in lines["a vs c @ u=8"]  # CI above 0, but 2 seeds
+    # 2 seeds: the CI over seeds (t with 1 degree of freedom) holds 0 and the 5-point effect of interest
+    assert "**inconclusive (provisional: 2 of 3 seeds)**" in lines["a vs c @ u=8"]
     # "matches" comparisons read the margin: b and c are even (the CI's ends inside +-2 points or not decides
     # reproduced vs partly), c is ~30 points below a: not
-    want = "reproduced" if even["low"] > -0.02 else "partly"
+    want = "reproduced" if even["low"] > -0.02 else "inconclusive" if even["high"] >= 0 else "partly"
     assert matches["b matches c"].endswith(f"**{want} (match within 2 points)** |")
     assert matches["c matches a"].endswith("**not (match within 2 points)** |")
     assert "Missing cells (1):\n- seed 2: c (u=8)" in text and "Seeds complete: 0, 1 of 0, 1, 2" in text

@@ -10,11 +10,12 @@ from pathlib import Path
 import yaml
 
 from dlm.errors import DlmError
-from studies.stats import seed_verdict
+from studies.stats import DEFAULT_EFFECT, seed_verdict
 
 PAPERS = ("PUMBA", "TESS 2")
 
-VERDICTS = ("reproduced", "partly", "not run", "not")  # "not run" before "not": prefixes are matched in order
+# "not run" before "not": prefixes are matched in order
+VERDICTS = ("reproduced", "consistent", "partly", "inconclusive", "not run", "not")
 
 
 class ClaimsError(DlmError):
@@ -23,7 +24,8 @@ class ClaimsError(DlmError):
 
 _FIELDS = {"id", "paper", "section", "statement", "paper_number", "readme", "evidence"}
 _REQUIRED = ("id", "paper", "section", "statement", "paper_number", "evidence")
-_STUDY = {"plan", "arm_a", "arm_b", "eval", "eval_b", "expect", "margin", "json", "note", "at_most", "also"}
+_STUDY = {"plan", "arm_a", "arm_b", "eval", "eval_b", "expect", "margin", "json", "note", "at_most", "also", "effect",
+          "adopted"}
 _LEGACY = {"doc", "number", "n", "seeds", "ci", "verdict", "note", "check"}
 _CHECK = {"json", "path", "value", "tol"}
 
@@ -129,10 +131,17 @@ def _check_study(s, where: str) -> None:
             raise ClaimsError(f"{where}: field 'evidence.study.also' must be a mapping with a number (text) and a "
                               f"non-empty check list that reads it back from its JSON, got {also!r}")
         _check_entries(also["check"], where, "evidence.study.also.check")
-    if "at_most" in s and (s["at_most"] != "partly" or not s.get("note")):
-        raise ClaimsError(f"{where}: field 'evidence.study.at_most' can only be partly, with a note saying what "
-                          f"the comparison leaves unmeasured; got {s['at_most']!r}"
+    if "at_most" in s and (s["at_most"] not in ("partly", "inconclusive") or not s.get("note")):
+        raise ClaimsError(f"{where}: field 'evidence.study.at_most' can only be partly or inconclusive, with a note "
+                          f"saying what the comparison leaves unmeasured; got {s['at_most']!r}"
                           + ("" if s.get("note") else " and no note"))
+    effect = s.get("effect")
+    if effect is not None and not (isinstance(effect, (int, float)) and not isinstance(effect, bool) and effect > 0
+                                   and expect in ("higher", "lower")):
+        raise ClaimsError(f"{where}: field 'evidence.study.effect' is the paper's effect (a number > 0, in points for "
+                          f"accuracy) of a higher or lower claim, got {effect!r} with expect: {expect}")
+    if not isinstance(s.get("adopted", False), bool):
+        raise ClaimsError(f"{where}: field 'evidence.study.adopted' must be true or false, got {s['adopted']!r}")
 
 
 def _check_legacy(leg, where: str) -> None:
@@ -164,16 +173,17 @@ def _check_entries(checks, where: str, field: str) -> None:
 
 
 def verdict_kind(text) -> str | None:
-    """The verdict a text starts with (reproduced, partly, not run, not), or None."""
+    """The verdict a text starts with (one of VERDICTS), or None."""
     text = str(text).strip().lower()
     return next((v for v in VERDICTS if text.startswith(v)), None)
 
 
-def verdict(result: dict, expect: str = "higher", margin: float = 0.0) -> str:
-    """reproduced / partly / not from a `compare_seeds` result (VERDICT_RULE; `studies.stats.seed_verdict`,
-    which the study docs use too); margin in accuracy points."""
+def verdict(result: dict, expect: str = "higher", margin: float = 0.0, effect: float | None = DEFAULT_EFFECT,
+            adopted: bool = False) -> str:
+    """The verdict of a `compare_seeds` result (VERDICT_RULE; `studies.stats.seed_verdict`, which the study docs
+    use too); margin and effect in accuracy points."""
     try:
-        return seed_verdict(result, expect, margin)
+        return seed_verdict(result, expect, margin, effect, adopted)
     except DlmError as e:
         raise ClaimsError(str(e)) from None
 

@@ -14,7 +14,10 @@ from studies import measures
 from studies.claims import ClaimsError, verdict, verdict_kind
 from studies.plans import Plan, StudyError
 from studies.progress import lost_starts
+from studies.stats import DEFAULT_EFFECT
 from studies.tables import StudyTable
+
+FLOOR = 0.01  # an arm at or below this accuracy is at the floor: "a beats b" then says only that b fails here
 
 
 def _plan_of(ref: dict, results: Path, plans: Path, where: str) -> tuple[Plan | None, Path]:
@@ -86,7 +89,7 @@ def study_evidence(ref: dict, results: Path, plans: Path, where: str) -> dict:
                              "lower applies to a measure table only; this one holds accuracy"))
     if seeds and out["measure"]:
         out["result"] = measures.compare(table, {"a": ref["arm_a"], "b": ref["arm_b"], "eval": ref["eval"],
-                                                         "expect": ref["expect"]})
+                                                 "expect": ref["expect"], "effect": ref.get("effect")})
     elif seeds:
         try:
             out["result"] = table.compare(ref["arm_a"], ref["arm_b"], ref["eval"], key_b)
@@ -196,22 +199,62 @@ def _row(c: dict, results: Path, plans: Path) -> dict:
     return row
 
 
+def _cap(v: str, ref: dict, floor: str | None = None) -> str:
+    """The verdict text after the claim's caps: `at_most: partly` (the comparison is narrower than the claim: a
+    reproduced comparison reads partly), `at_most: inconclusive` (the test cannot speak to the claim, its note says
+    why: every verdict reads inconclusive), and the floor (an arm at or below FLOOR accuracy: reproduced reads
+    partly, the comparison showing that arm fails here rather than the size of the paper's effect)."""
+    cap = ref.get("at_most")
+    if cap == "inconclusive" and v != "inconclusive":
+        return f"inconclusive (capped: {v} as measured; the test is not of the paper's setting, see the note)"
+    if cap == "partly" and v == "reproduced":
+        return "partly (capped: the comparison alone reproduces)"
+    if floor and v == "reproduced":
+        return f"partly (capped: {floor} at the floor)"
+    return v
+
+
+def _interval(r: dict, scale: float, fmt: str) -> str:
+    """The CI column: the interval (seeds and problems, or problems only with one seed), p and the minimum
+    detectable effect."""
+    f = lambda x: f"{scale * x:{fmt}}"  # noqa: E731
+    text = f"[{f(r['low'])}, {f(r['high'])}], p = {r['p_value']:#.2g}"
+    if r.get("se") is None:
+        return text + " (problems only: 1 seed)"
+    return text + f", detectable {scale * r['mde']:{fmt.lstrip('+')}}"
+
+
+def _effect_note(ref: dict, v: str, r: dict, scale: float, unit: str) -> str | None:
+    """What the verdict set the interval against: the paper's effect (or the smallest effect of interest), with the
+    minimum detectable effect where the verdict is inconclusive."""
+    if ref.get("adopted"):
+        return "the paper adopts this choice without measuring it: nothing to reproduce, the rule asks only whether " \
+               "it is measurably worse"
+    if ref["expect"] not in ("higher", "lower"):
+        return None
+    eff = ref.get("effect")
+    if eff is None and unit != "points":
+        return None
+    said = f"paper's effect {eff:g} {unit}" if eff is not None else \
+        f"no paper number: smallest effect of interest {DEFAULT_EFFECT:g} points"
+    if v.startswith("inconclusive") and r.get("mde") is not None:
+        return f"{said}, inside the interval with 0; this design detects {scale * r['mde']:.{1 if scale == 100 else 3}f} " \
+               f"{unit} at 80 % power"
+    return said
+
+
 def _measure_fields(ref: dict, st: dict, ev: dict, also: str, plan_link: str) -> dict:
     """The row's fields from a measure comparison (a per-problem value such as D_mask; less can be the claim)."""
     r = st["result"]
-    v = r["verdict"]
-    capped = ref.get("at_most") == "partly" and v == "reproduced"  # the claim is broader than this measure
-    if capped:
-        v = "partly"
+    v = _cap(r["verdict"], ref)
     return dict(
         dlm_number=f"{also}{ref['arm_a']} {r['mean_a']:.3f} vs {ref['arm_b']} {r['mean_b']:.3f} "
                    f"({r['difference']:+.3f}), {ref['eval']}",
-        n=str(r["n"]), seeds=f"{st['done']}/{st['planned']}",
-        ci=f"[{r['low']:+.3f}, {r['high']:+.3f}], p = {r['p_value']:#.2g}",
-        verdict_text=v + (" (capped: the comparison alone reproduces)" if capped else ""),
-        link=plan_link, kind=v,
+        n=str(r["n"]), seeds=f"{st['done']}/{st['planned']}", ci=_interval(r, 1, "+.3f"),
+        verdict_text=v, link=plan_link, kind=verdict_kind(v),
         note="; ".join(x for x in (
             f"claim: {ref['arm_a']} {ref['expect']} than {ref['arm_b']}",
+            _effect_note(ref, v, r, 1, "(measure units)"),
             " ".join(ref["note"].split()).rstrip(".") if ref.get("note") else None,
             f"earlier one-seed measurement ({ev['legacy']['doc']}): {ev['legacy']['number']}"
             if "legacy" in ev else None) if x))
@@ -222,10 +265,9 @@ def _accuracy_fields(ref: dict, st: dict, ev: dict, also: str, plan_link: str) -
     r = st["result"]
     label_a = ref["arm_a"] + (f" {ref['eval']}" if ref.get("eval_b") else "")
     label_b = ref["arm_b"] + (f" {ref['eval_b']}" if ref.get("eval_b") else "")
-    v = verdict(r, ref["expect"], ref.get("margin") or 0)
-    capped = ref.get("at_most") == "partly" and v == "reproduced"  # the claim is broader than this comparison
-    if capped:
-        v = "partly"
+    effect = ref.get("effect", DEFAULT_EFFECT)
+    floor = next((arm for arm, x in ((label_a, "a"), (label_b, "b")) if r[f"accuracy_{x}"] <= FLOOR), None)
+    v = _cap(verdict(r, ref["expect"], ref.get("margin") or 0, effect, bool(ref.get("adopted"))), ref, floor)
     extra = [] if st["preregistered"] in (None, True) else ["not pre-registered"]
     fixed = st.get("fixed", {})
     a, b = (_pct(r[f"accuracy_{x}"]) + " % (fixed weights)" if fixed.get(arm) else
@@ -236,14 +278,16 @@ def _accuracy_fields(ref: dict, st: dict, ev: dict, also: str, plan_link: str) -
                    + ("" if ref.get("eval_b") else f", {ref['eval']}"),
         n=str(r["n"]), seeds=f"{st['done']}/{st['planned']}" + (" (frozen)" if st.get("frozen") else "")
         + (" (fixed weights: its other seeds repeat this measurement)" if st.get("copies") else ""),
-        ci=f"[{100 * r['low']:+.1f}, {100 * r['high']:+.1f}], p = {r['p_value']:#.2g}",
-        verdict_text=" · ".join([v + (" (capped: the comparison alone reproduces)" if capped else ""),
-                                 *extra]), link=plan_link, kind=v,
+        ci=_interval(r, 100, "+.1f"),
+        verdict_text=" · ".join([v, *extra]), link=plan_link, kind=verdict_kind(v),
         note="; ".join(x for x in (
             f"claim: {label_a} not worse than {label_b} by more than {ref['margin']} points"
             if ref["expect"] == "not_lower" else
             f"claim: {label_a} within ±{ref['margin']} points of {label_b}"
             if ref["expect"] == "within" else None,
+            _effect_note(ref, v, r, 100, "points"),
+            f"per seed {' / '.join(f'{100 * x:+.1f}' for x in r['per_seed_difference'])}"
+            if len(r["per_seed_difference"]) > 1 else None,
             " ".join(ref["note"].split()).rstrip(".") if ref.get("note") else None,
             f"earlier one-seed measurement ({ev['legacy']['doc']}): {ev['legacy']['number']}"
             if "legacy" in ev else None,

@@ -57,15 +57,14 @@ def _paired(table, a, b, key, seeds) -> tuple[np.ndarray, np.ndarray]:
     return np.stack(A), np.stack(B)
 
 
-def verdict(result: dict, expect: str) -> str:
-    """The docs/results rule for "a lower (or higher) than b" on a compare_values result of a − b."""
-    from studies.stats import VERDICT_SEEDS
+def verdict(result: dict, expect: str, effect: float | None = None) -> str:
+    """The docs/results rule (`studies.stats.judge`) for "a lower (or higher) than b" on a compare_values result of
+    a − b; `effect` is the paper's effect in the measure's units (None where it reports none: inconclusive is not
+    judged, there being no effect size of interest in a measure's units to set against the interval)."""
+    from studies.stats import judge
 
-    sign = -1 if expect == "lower" else 1
-    d, lo, hi = sign * result["difference"], sign * result["low"], sign * result["high"]
-    if result["n_seeds"] >= VERDICT_SEEDS and min(lo, hi) > 0 and result["consistent"]:
-        return "reproduced"
-    return "partly" if d > 0 else "not"
+    return judge(result["difference"], result["low"], result["high"], result["n_seeds"], result["same_sign"], expect,
+                 effect=effect)
 
 
 def compare(table: StudyTable, c: dict) -> dict | None:
@@ -84,7 +83,7 @@ def compare(table: StudyTable, c: dict) -> dict | None:
                                           _column(table, c["b"], c["eval"], seeds, i))
         except DlmError:  # no item has this ratio in both arms
             continue
-    return {**r, "seeds": seeds, "verdict": verdict(r, c["expect"]), "per_ratio": per_ratio}
+    return {**r, "seeds": seeds, "verdict": verdict(r, c["expect"], c.get("effect")), "per_ratio": per_ratio}
 
 
 def mean_sd(vals: list, fmt: str) -> str:

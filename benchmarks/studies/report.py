@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 from studies.plans import StudyError
-from studies.stats import format_seed_comparison, seed_verdict
+from studies.stats import DEFAULT_EFFECT, format_seed_comparison, seed_verdict
 
 
 def _pct(x: float | None) -> str:
@@ -107,9 +107,11 @@ def _comparisons(table) -> list[str]:
     """The plan's pre-registered comparisons, one row each: the paired result over seeds and its verdict."""
     plan = table.plan
     lines = ["", "Pre-registered comparisons (claim: a above b, unless it says a matches b within a margin). Paired "
-             "on the same problems: difference of accuracy in points, 95 % bootstrap CI over problems of the "
-             "seed-averaged per-problem difference, p from an exact McNemar test (1 seed) or a sign-flip "
-             "randomisation test (several seeds).", "",
+             "on the same problems: difference of accuracy in points; 95 % CI with seeds as the unit and the "
+             "problems' error added (a t-interval, `studies.stats.two_level`; with one seed, a bootstrap over "
+             "problems and an exact McNemar p); detectable: the difference this design finds at 80 % power. "
+             "Verdicts under docs/results/README.md's rule, against the comparison's `effect` (points; "
+             f"{DEFAULT_EFFECT:g} where the plan names none).", "",
              "| claim | a vs b @ evaluation | result | verdict |", "|---|---|---|---|"]
     for c in plan.settings.get("comparisons") or []:
         key_b = c.get("eval_b") or c["eval"]
@@ -130,7 +132,7 @@ def _verdict(c: dict, r: dict, plan) -> str:
     if expect == "not_lower":  # a matches b: not worse by more than `margin` points (VERDICT_RULE)
         v = seed_verdict(r, expect, margin) + f" (match within {margin:g} point{'s' * (margin != 1)})"
     else:
-        v = seed_verdict(r) + (" (CI excludes 0)" if r["high"] < 0 else "")
+        v = seed_verdict(r, effect=c.get("effect", DEFAULT_EFFECT)) + (" (CI excludes 0)" if r["high"] < 0 else "")
     if r["n_seeds"] + len(r.get("copies", [])) < len(plan.seeds):
         v += f" (provisional: {r['n_seeds'] + len(r.get('copies', []))} of {len(plan.seeds)} seeds)"
     if r.get("copies"):  # fixed weights decoded greedily: every seed repeats one measurement

@@ -1,9 +1,19 @@
-"""Comparisons over seeds for the pre-registered studies (issue 17): mean ± sd over seeds, the paired difference of
-two arms with a percentile bootstrap CI over problems and a sign-flip p, and the verdict rule of docs/results.
+"""Comparisons over seeds for the pre-registered studies (issues 17 and 48): mean ± sd over seeds, the paired
+difference of two arms with a two-level interval (seeds and problems), and the verdict rule of docs/results.
 
-Each problem's outcome is averaged over the seeds first, so the CI resamples problems (the unit that varies) and a
-problem scored in three seeds is not counted as three independent problems. The one-seed test is the library's exact
-McNemar (`dlm.evaluation.stats`)."""
+Two sources of chance move a difference: the training run (a seed: its start, data order and initialisation) and
+the problems it is scored on. The interval treats the seed as the unit and adds the problems' error: under
+d[s,i] = μ + α_s + β_i + ε, every seed scoring the same n problems, the mean difference has variance
+Var(α)/S + Var(ε)/(Sn) + Var(β)/n. The per-seed means show the first two; the last, the error of scoring one fixed
+set of problems, no seed can show, and it is estimated from the per-problem means with the interaction taken out
+(`two_level`). The interval is a t-interval with Welch–Satterthwaite degrees of freedom over those two independent
+parts, and never narrower than a t over the per-seed means alone with S − 1 degrees of freedom (the reading that
+takes seeds as the unit and nothing else). A hierarchical bootstrap was the other option: with 3 seeds it can draw
+only 10 distinct seed sets and shrinks the between-seed variance by (S−1)/S, too narrow exactly where seeds are few.
+With one seed the between-seed variance is unknown: the interval is the
+problems-only bootstrap and says so (`interval`). The problems-only bootstrap CI and sign-flip p stay in the result
+(`low_problems`, `high_problems`, `p_problems`) for the earlier docs' reading. The one-seed test is the library's exact McNemar
+(`dlm.evaluation.stats`)."""
 
 from __future__ import annotations
 
@@ -11,6 +21,7 @@ import statistics
 from collections.abc import Sequence
 
 import numpy as np
+from scipy import stats as sps
 
 from dlm.errors import DlmError
 from dlm.evaluation.stats import PairingError, mcnemar_exact, paired_outcomes
@@ -45,6 +56,61 @@ def _sign_flip_p(d: np.ndarray, rng, n_resamples: int) -> float:
     return (hits + 1) / (n_resamples + 1)
 
 
+POWER = 0.8  # the power at which the minimum detectable effect is stated
+
+
+def two_level(D: np.ndarray, center: float, confidence: float) -> dict:
+    """The two-level interval of a paired difference (module docstring) from D[s, i], problem i's difference in seed
+    s (NaN where missing), around `center` (the reported difference). Under d = μ + α_s + β_i + ε the mean has
+    variance Var(α)/S + Var(ε)/(Sn) + Var(β)/n. The first two are estimated by var_s/S (var_s: the variance of the
+    per-seed means, S − 1 degrees of freedom; never below MS_residual/(Sn), the second alone, which the residual
+    estimates on (S − 1)(n − 1) degrees of freedom), the third by P = max(0, var_i/n − MS_residual/(Sn)) (var_i: the
+    variance of the per-problem means, whose share of the interaction MS_residual takes out; n − 1 degrees of
+    freedom); se² is their sum, with Welch–Satterthwaite degrees of freedom. The half-width is never below a t over the
+    per-seed means alone (t_(S−1) × sqrt(var_s/S)): seeds stay the unit. Returns the interval, se, df, a two-sided
+    t p-value and the minimum detectable effect: the true difference this design finds (the interval excluding 0)
+    with probability POWER, (t_(1-α/2) + t_POWER) × se at the same degrees of freedom, no smaller than the
+    interval's half-width. With one seed only `mean` (the between-seed variance is unknown)."""
+    D = np.asarray(D, dtype=float)
+    S = D.shape[0]
+    if S < 2:
+        return {"mean": center, "se": None, "df": None, "low": None, "high": None, "p": None, "mde": None}
+    per_seed, per_problem = np.nanmean(D, axis=1), np.nanmean(D[:, ~np.isnan(D).all(axis=0)], axis=0)
+    n = len(per_problem)
+    seeds = float(np.var(per_seed, ddof=1)) / S
+    full = D[:, ~np.isnan(D).any(axis=0)]  # the problems every seed has
+    resid = 0.0
+    if full.shape[1] > 1:
+        r = full - full.mean(axis=1, keepdims=True) - full.mean(axis=0, keepdims=True) + full.mean()
+        resid = float((r ** 2).sum()) / ((S - 1) * (full.shape[1] - 1))
+    problems = max(0.0, float(np.var(per_problem, ddof=1)) / n - resid / (S * n)) if n > 1 else 0.0
+    # the seed part is at least the interaction's Var(ε)/(Sn), which MS_residual estimates on (S−1)(n−1) degrees of
+    # freedom: seeds whose means agree by chance do not make the interval vanish
+    floor = resid / (S * full.shape[1]) if full.shape[1] else 0.0
+    part, part_df = (seeds, S - 1) if seeds >= floor else (floor, (S - 1) * max(full.shape[1] - 1, 1))
+    se = (part + problems) ** 0.5
+    if se == 0:  # every seed and problem gives the same difference
+        return {"mean": center, "se": 0.0, "df": float(S - 1), "low": center, "high": center,
+                "p": 1.0 if center == 0 else 0.0, "mde": 0.0}
+    df = (part + problems) ** 2 / (part ** 2 / part_df + (problems ** 2 / (n - 1) if n > 1 else 0.0))
+    q = 1 - (1 - confidence) / 2
+    half = max(float(sps.t.ppf(q, df)) * se, float(sps.t.ppf(q, S - 1)) * seeds ** 0.5)
+    p = min(1.0, max(float(2 * sps.t.sf(abs(center) / se, df)), float(2 * sps.t.sf(abs(center) / seeds ** 0.5, S - 1))
+                     if seeds else 0.0))
+    mde = half + float(sps.t.ppf(POWER, df)) * se
+    return {"mean": center, "se": se, "df": df, "low": center - half + 0.0, "high": center + half + 0.0, "p": p,
+            "mde": mde}
+
+
+def _interval_fields(level: dict, low_p: float, high_p: float, p_problems: float) -> dict:
+    """A comparison's interval fields: the two-level interval where there are 2+ seeds, else the problems-only one."""
+    seeds = level["se"] is not None
+    return {"low": level["low"] if seeds else low_p, "high": level["high"] if seeds else high_p,
+            "p_value": level["p"] if seeds else p_problems, "se": level["se"], "df": level["df"], "mde": level["mde"],
+            "interval": "seeds and problems" if seeds else "problems only (1 seed)",
+            "low_problems": low_p, "high_problems": high_p, "p_problems": p_problems}
+
+
 def compare_values(a: Sequence[Sequence[float]], b: Sequence[Sequence[float]], n_resamples: int = 10000,
                    confidence: float = 0.95, seed: int = 0) -> dict:
     """`compare_seeds` for a continuous per-problem measure (e.g. a mask discrepancy): `a[s][i]`, `b[s][i]` are
@@ -68,20 +134,24 @@ def compare_values(a: Sequence[Sequence[float]], b: Sequence[Sequence[float]], n
     mean_a, sd_a = mean_sd([float(np.nanmean(np.where(both[s], A[s], np.nan))) for s in range(len(A))])
     mean_b, sd_b = mean_sd([float(np.nanmean(np.where(both[s], B[s], np.nan))) for s in range(len(B))])
     diff = float(d.mean())
+    level = two_level(np.where(both, A - B, np.nan)[:, kept], diff, confidence)
+    p_problems = float(_sign_flip_p(d, rng, n_resamples))
     return {"n": int(kept.sum()), "n_seeds": len(A), "mean_a": mean_a, "sd_a": sd_a, "mean_b": mean_b, "sd_b": sd_b,
-            "difference": diff, "per_seed_difference": per_seed, "low": low, "high": high,
-            "confidence": confidence, "p_value": float(_sign_flip_p(d, rng, n_resamples)), "test": "sign-flip",
-            "consistent": bool(diff != 0 and all(x * diff > 0 for x in per_seed))}
+            "difference": diff, "per_seed_difference": per_seed, "confidence": confidence,
+            **_interval_fields(level, low, high, p_problems),
+            "test": "sign-flip" if level["se"] is None else "two-level t",
+            "same_sign": bool(diff != 0 and all(x * diff > 0 for x in per_seed))}
 
 
 def compare_seeds(a: Sequence[Sequence[bool]], b: Sequence[Sequence[bool]], n_resamples: int = 10000,
                   confidence: float = 0.95, seed: int = 0) -> dict:
     """Paired comparison over seeds: `a[s][i]`, `b[s][i]` are the outcomes of problem i in seed s (the same problems
-    in every seed). Returns the accuracy mean ± sd over seeds of each arm, the per-seed differences, a percentile
-    bootstrap CI of the difference resampling problems (each problem's difference averaged over seeds), and a
-    two-sided p-value: exact McNemar for one seed, otherwise a sign-flip randomisation test on the per-problem
-    differences (its one-seed case is McNemar's null). `consistent` says whether every seed's difference has the
-    sign of the mean."""
+    in every seed). Returns the accuracy mean ± sd over seeds of each arm, the per-seed differences, the two-level
+    interval (`low`, `high`: seeds and problems, module docstring; problems only with one seed) with its p-value,
+    standard error and minimum detectable effect `mde`, and the problems-only reading beside it (`low_problems`,
+    `high_problems`: a percentile bootstrap resampling problems, each problem's difference averaged over seeds;
+    `p_problems`: exact McNemar for one seed, else a sign-flip randomisation test on the per-problem differences).
+    `same_sign` says whether every seed's difference has the sign of the mean."""
     if len(a) != len(b) or not len(a):
         raise PairingError(f"compare_seeds: arm a has {len(a)} seeds and arm b {len(b)}; pass the same seeds, >= 1")
     pairs = [paired_outcomes(x, y) for x, y in zip(a, b)]
@@ -100,49 +170,77 @@ def compare_seeds(a: Sequence[Sequence[bool]], b: Sequence[Sequence[bool]], n_re
     p = mcnemar_exact(*pairs[0])["p_value"] if len(pairs) == 1 else _sign_flip_p(d, rng, n_resamples)
     acc_a, acc_b = A.mean(axis=1), B.mean(axis=1)
     per_seed = ((A - B).sum(axis=1) / n).tolist()
+    level = two_level(A - B, diff, confidence)
     mean_a, sd_a = mean_sd(acc_a)
     mean_b, sd_b = mean_sd(acc_b)
     _, sd_d = mean_sd(per_seed)
     return {"n": n, "n_seeds": len(pairs), "accuracy_a": mean_a, "sd_a": sd_a, "accuracy_b": mean_b, "sd_b": sd_b,
-            "difference": diff, "sd_difference": sd_d, "per_seed_difference": per_seed, "low": low + 0.0,
-            "high": high + 0.0, "confidence": confidence, "p_value": float(p),
-            "test": "mcnemar" if len(pairs) == 1 else "sign-flip",
-            "consistent": bool(diff != 0 and all(x * diff > 0 for x in per_seed))}
+            "difference": diff, "sd_difference": sd_d, "per_seed_difference": per_seed, "confidence": confidence,
+            **_interval_fields(level, low + 0.0, high + 0.0, float(p)),
+            "test": "mcnemar" if len(pairs) == 1 else "two-level t",
+            "same_sign": bool(diff != 0 and all(x * diff > 0 for x in per_seed))}
 
 
 VERDICT_SEEDS = 3  # a claim is "reproduced" only from at least this many seeds
+DEFAULT_EFFECT = 5.0  # points: the smallest effect of interest where the paper reports no number for a claim
+VERDICTS = ("reproduced", "consistent", "partly", "inconclusive", "not")
 
 
-def seed_verdict(result: dict, expect: str = "higher", margin: float = 0.0) -> str:
-    """The verdict rule of docs/results (issue 17) on a `compare_seeds` result of arm a against arm b.
-    expect "higher" (a above b): **reproduced** with >= 3 seeds, the CI's lower end above 0 and every seed's
-    difference positive; **partly** when the mean difference is positive but short of that; **not** otherwise (0 or
-    the other sign). expect "not_lower" (a not worse than b by more than `margin` accuracy points): **not** when the
-    mean difference is below -margin; **reproduced** with >= 3 seeds and the CI's lower end above -margin; **partly**
-    otherwise. expect "within" (a and b within `margin` points of each other, either way: an equivalence):
-    **not** when the mean difference lies outside ±margin; **reproduced** with >= 3 seeds and the whole CI inside
-    ±margin; **partly** otherwise."""
-    d, low, seeds = result["difference"], result["low"], result["n_seeds"]
+def judge(d: float, low: float, high: float, n_seeds: int, same_sign: bool, expect: str = "higher",
+          margin: float = 0.0, effect: float | None = None, adopted: bool = False) -> str:
+    """The verdict rule of docs/results (issue 48) on a difference a − b with its two-level interval [low, high];
+    margin and effect in the difference's own units. expect:
+    - "higher" (a above b; "lower" turns the signs): **reproduced** with >= 3 seeds, low > 0 and every seed's
+      difference > 0; else **inconclusive** when the interval holds both 0 and the paper's effect `effect` (the
+      design cannot tell them apart; None: not judged); else **partly** when d > 0; else **not** (d <= 0 and the
+      paper's effect outside the interval).
+    - "not_lower" (a not worse than b by more than `margin`): **reproduced** with >= 3 seeds and low > −margin;
+      **inconclusive** when the interval holds both −margin and 0; **not** when d < −margin and high < 0;
+      **partly** otherwise.
+    - "within" (|a − b| <= margin): **reproduced** with >= 3 seeds and the interval inside ±margin;
+      **inconclusive** when it holds 0 and reaches ±margin; **not** when |d| > margin and the interval excludes 0;
+      **partly** otherwise.
+    `adopted` (the paper adopts the choice without measuring it, so there is no effect to reproduce): **consistent**
+    unless the interval shows the choice worse (high < 0, or < −margin for not_lower): then **not**."""
+    if expect == "lower":
+        d, low, high, expect = -d, -high, -low, "higher"
     if expect == "higher":
-        if seeds >= VERDICT_SEEDS and low > 0 and result["consistent"]:
+        if adopted:
+            return "not" if high < 0 else "consistent"
+        if n_seeds >= VERDICT_SEEDS and low > 0 and same_sign:
             return "reproduced"
+        if effect is not None and low <= 0 and high >= effect:
+            return "inconclusive"
         return "partly" if d > 0 else "not"
     if expect == "not_lower":
-        m = margin / 100
-        if d < -m:
-            return "not"
-        return "reproduced" if seeds >= VERDICT_SEEDS and low > -m else "partly"
+        if adopted:
+            return "not" if high < -margin else "consistent"
+        if n_seeds >= VERDICT_SEEDS and low > -margin:
+            return "reproduced"
+        if low <= -margin and high >= 0:
+            return "inconclusive"
+        return "not" if d < -margin and high < 0 else "partly"
     if expect == "within":
-        m = margin / 100
-        if abs(d) > m:
-            return "not"
-        return "reproduced" if seeds >= VERDICT_SEEDS and -m < low and result["high"] < m else "partly"
-    raise DlmError(f"verdict: expect must be higher, not_lower or within, got {expect!r}")
+        if n_seeds >= VERDICT_SEEDS and -margin < low and high < margin:
+            return "reproduced"
+        if low <= 0 <= high and (low <= -margin or high >= margin):
+            return "inconclusive"
+        return "not" if abs(d) > margin and (low > 0 or high < 0) else "partly"
+    raise DlmError(f"verdict: expect must be higher, lower, not_lower or within, got {expect!r}")
+
+
+def seed_verdict(result: dict, expect: str = "higher", margin: float = 0.0, effect: float | None = DEFAULT_EFFECT,
+                 adopted: bool = False) -> str:
+    """`judge` on a `compare_seeds` result of arm a against arm b; margin and effect in accuracy points (effect:
+    the paper's, DEFAULT_EFFECT where it reports none)."""
+    return judge(result["difference"], result["low"], result["high"], result["n_seeds"], result["same_sign"], expect,
+                 margin / 100, None if effect is None else effect / 100, adopted)
 
 
 def format_seed_comparison(result: dict) -> str:
     """One line from `compare_seeds`, e.g. '35.1 ± 1.2 % vs 29.0 ± 0.8 % (n=300, 3 seeds): +6.1 points, 95 % CI
-    [+2.4, +9.8], sign-flip p = 0.002, every seed +'."""
+    [+2.4, +9.8], t p = 0.02, detectable 8.9, same sign in every seed' (the CI over seeds and problems; detectable:
+    the minimum detectable effect at 80 % power)."""
     def acc(m, sd):
         return f"{100 * m:.1f}" + (f" ± {100 * sd:.1f}" if sd is not None else "") + " %"
 
@@ -150,8 +248,10 @@ def format_seed_comparison(result: dict) -> str:
     parts = [f"{acc(result['accuracy_a'], result['sd_a'])} vs {acc(result['accuracy_b'], result['sd_b'])} "
              f"(n={result['n']}, {seeds} seed{'s' if seeds > 1 else ''}): {100 * result['difference']:+.1f} points",
              f"{100 * result['confidence']:g} % CI [{100 * result['low']:+.1f}, {100 * result['high']:+.1f}]",
-             f"{'McNemar' if result['test'] == 'mcnemar' else 'sign-flip'} p = {result['p_value']:#.2g}"]
+             f"{'McNemar' if result['test'] == 'mcnemar' else 't'} p = {result['p_value']:#.2g}"]
+    if result.get("mde") is not None:
+        parts.append(f"detectable {100 * result['mde']:.1f}")
     if seeds > 1:
-        parts.append("same sign in every seed" if result["consistent"] else
+        parts.append("same sign in every seed" if result["same_sign"] else
                      "per-seed " + " / ".join(f"{100 * x:+.1f}" for x in result["per_seed_difference"]))
     return ", ".join(parts)
