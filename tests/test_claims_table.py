@@ -459,6 +459,7 @@ def test_adopted_claims_read_consistent(tmp_path):
     text = (results / "README.md").read_text()
     rows = {line.split("|")[1].strip(" `"): line for line in text.splitlines() if line.startswith("| `")}
     assert "**consistent**" in rows["adopt"] and "**not**" in rows["adopt-worse"]
-    assert "**inconclusive · not pre-registered**" in rows["effect"]  # +0.5 points, a CI holding 0 and the paper's 1 point
+    # +0.5 points, a CI holding 0 and the paper's 1 point
+    assert "**inconclusive · not pre-registered**" in rows["effect"]
     assert "paper's effect 1 points, inside the interval with 0; this design detects" in text
     assert "3 claims: 0 reproduced, 1 consistent, 0 partly, 1 inconclusive, 0 not run, 1 not" in text

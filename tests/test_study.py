@@ -3,8 +3,8 @@
 import json
 
 import numpy as np
-from scipy.stats import t as scipy_t
 import pytest
+from scipy.stats import t as scipy_t
 
 from dlm.evaluation.stats import PairingError, mcnemar_exact
 from studies.plans import Plan, StudyError, fingerprint, problems_digest

@@ -21,7 +21,8 @@ Welch–Satterthwaite degrees of freedom over those two parts, and never narrowe
 differences alone (S − 1 degrees of freedom: 4.30 × their standard error for 3 seeds, 12.7 × for 2). A hierarchical
 bootstrap was the alternative; with 3 seeds it can draw only 10 distinct seed sets and shrinks the between-seed
 variance by a third, too narrow where seeds are few. With one seed the between-seed variance is unknown and the CI is
-the problems-only bootstrap, marked so. *detectable* is the minimum detectable effect of the design: the true difference it finds (the CI
+the problems-only bootstrap, marked so.
+*detectable* is the minimum detectable effect of the design: the true difference it finds (the CI
 excluding 0) with 80 % probability. Each directional claim is judged against the **paper's effect** (its number,
 in points, as the paper reports it on its own task) or, where the paper gives no number, a smallest effect of
 interest of 5 points; each row's note says which.
@@ -75,7 +76,8 @@ def render_results_readme(data: dict, rows: list[dict], date: str, progress: lis
     out = ["# Claims of the two papers, and what dlm measured", "",
            f"Generated on {date} by `{COMMAND}` from [`claims.yaml`](claims.yaml) and the study tables in this "
            "folder; edit those, not this file.", "",
-           f"{len(rows)} claims: {_counts(counts)}. Papers: PUMBA (Madeira et al., 2026, *On Trajectory-Aware Training for "
+           f"{len(rows)} claims: {_counts(counts)}. Papers: PUMBA (Madeira et al., 2026, *On Trajectory-Aware "
+           "Training for "
            "Masked Diffusion Language Models*) and TESS 2 (Tae et al., 2025). The paper's numbers are on its own "
            "tasks (TinyGSM → GSM8K, LLaDA-8B, Mistral-7B); dlm's are on tinymath and Shakespeare with 3.6–3.9 M "
            "parameters on CPU, so directions are compared, not magnitudes.", "",

@@ -238,7 +238,8 @@ def _effect_note(ref: dict, v: str, r: dict, scale: float, unit: str) -> str | N
     said = f"paper's effect {eff:g} {unit}" if eff is not None else \
         f"no paper number: smallest effect of interest {DEFAULT_EFFECT:g} points"
     if v.startswith("inconclusive") and r.get("mde") is not None:
-        return f"{said}, inside the interval with 0; this design detects {scale * r['mde']:.{1 if scale == 100 else 3}f} " \
+        digits = 1 if scale == 100 else 3
+        return f"{said}, inside the interval with 0; this design detects {scale * r['mde']:.{digits}f} " \
                f"{unit} at 80 % power"
     return said
 

@@ -12,7 +12,8 @@ takes seeds as the unit and nothing else). A hierarchical bootstrap was the othe
 only 10 distinct seed sets and shrinks the between-seed variance by (S−1)/S, too narrow exactly where seeds are few.
 With one seed the between-seed variance is unknown: the interval is the
 problems-only bootstrap and says so (`interval`). The problems-only bootstrap CI and sign-flip p stay in the result
-(`low_problems`, `high_problems`, `p_problems`) for the earlier docs' reading. The one-seed test is the library's exact McNemar
+(`low_problems`, `high_problems`, `p_problems`) for the earlier docs' reading. The one-seed test is the library's
+exact McNemar
 (`dlm.evaluation.stats`)."""
 
 from __future__ import annotations
