@@ -18,13 +18,16 @@ resolved recipe, start weights, seed, problems and decoding): those cells are ta
 of trained and evaluated again.
 
 Plan settings read here:
-  starts:     {name: {path, commands}}: saved models arms start from or evaluate; each is fingerprinted and pinned
+  starts:     {name: {path, commands}}: saved models arms start from or evaluate; each is fingerprinted and pinned.
+              A path holding {seed} is a start built per seed by its commands ({seed} filled in) when it is not
+              there: independent starts (studies.seeded); start_threads: the CPU threads they build at (default 1)
   data:       tinymath directory (test.jsonl; test_unseen.jsonl for evaluations ending in /unseen)
   n, eval_batch_size, max_new_tokens (masked canvas), ar_max_new_tokens, block_size (threshold evaluations)
   overrides:  recipe overrides every trained arm shares (`dlm train --set` syntax)
   arm_specs:  {arm: {recipe, init: <start>, updates, set: [...]}}   a trained arm
               {arm: {model: <start>}}                                 evaluate a start as it is
               {arm: {model_of: <arm>, zero_carry: true}}              evaluate another arm's model, carry zeroed
+              {arm: {curve_of: <arm>, at: <updates>}}                 a trained arm's checkpoint: a curve point
   comparisons: [{a, b, eval, claim}]: the claims the results doc reports (benchmarks/study_report.py)
 Evaluation keys: u=N (top-u), tau=X (Fast-dLLM threshold, left to right in blocks of block_size), optionally /SPLIT
 (test_SPLIT.jsonl); greedy, the first n problems. An autoregressive arm decodes greedily under every key.
@@ -62,8 +65,13 @@ def check_plan(plan) -> None:
         elif "model" in spec:
             if spec["model"] not in starts:
                 raise StudyError(f"{where}: arm {arm!r} evaluates model {spec['model']!r}, not in settings.starts")
+        elif "curve_of" in spec:
+            pass  # studies.seeded.check_curves, below
         elif spec.get("model_of") not in plan.arms or "recipe" not in specs.get(spec.get("model_of"), {}):
             raise StudyError(f"{where}: arm {arm!r} needs recipe, model or model_of (a trained arm of the plan)")
+    from studies.seeded import check_curves
+
+    check_curves(plan, recipe_for)
     for key in plan.evals:
         parse_eval(key, where)
     for c in s.get("comparisons") or []:
@@ -91,8 +99,10 @@ def parse_eval(key: str, where: str = "plan") -> tuple[str, float, str]:
     return name, number, split or "test"
 
 
-def start_path(plan, name: str) -> Path:
-    return Path(plan.settings["starts"][name]["path"])
+def start_path(plan, name: str, seed: int | None = None) -> Path:
+    from studies.seeded import start_path as path
+
+    return path(plan, name, seed)
 
 
 def recipe_for(plan, arm: str, seed: int, run_dir: Path):
@@ -103,7 +113,7 @@ def recipe_for(plan, arm: str, seed: int, run_dir: Path):
     s, spec = plan.settings, plan.settings["arm_specs"][arm]
     recipe = Path(spec["recipe"])
     overrides = [*(s.get("overrides") or []), *(spec.get("set") or []),
-                 f"model.init_from={start_path(plan, spec['init'])}", f"data.dir={s['data']}",
+                 f"model.init_from={start_path(plan, spec['init'], seed)}", f"data.dir={s['data']}",
                  f"train.steps={spec['updates']}", f"train.seed={seed}", f"out_dir={run_dir}",
                  f"name={plan.name}-{arm}-seed{seed}"]
     return load_recipe(recipe if recipe.is_absolute() else ROOT / recipe, overrides)
@@ -137,9 +147,15 @@ def trained_model(plan, arm: str, seed: int, runs: Path, minutes: float | None =
     if "model" in spec:
         from dlm.modeling.backbone import resolve_model_dir
 
-        return resolve_model_dir(start_path(plan, spec["model"])), {"updates": 0, "passes": 0, "train_seconds": 0.0}
+        return resolve_model_dir(start_path(plan, spec["model"], seed)), {"updates": 0, "passes": 0,
+                                                                          "train_seconds": 0.0}
     if "model_of" in spec:
         return trained_model(plan, spec["model_of"], seed, runs)
+    if "curve_of" in spec:
+        from studies.seeded import curve_model
+
+        done = trained_model(plan, spec["curve_of"], seed, runs, minutes)
+        return None if done is None else curve_model(runs / f"seed{seed}" / spec["curve_of"], spec["at"], done[1])
     run = runs / f"seed{seed}" / arm
     record_file = run / "study_train.json"
     if record_file.is_file() and (run / "model" / "config.json").is_file():
@@ -357,9 +373,12 @@ def run(plan_path, json_path=None, runs=None, seeds=None, max_minutes=None, arms
     if set(take_only) - set(plan.arms):
         raise StudyError(f"--take-only {sorted(set(take_only) - set(plan.arms))} not in the plan's arms "
                          f"{list(plan.arms)}")
-    weights = {}
-    for name in dict.fromkeys(spec.get("init") or spec.get("model") for spec in specs.values()
-                              if spec.get("init") or spec.get("model")):
+    from studies.seeded import build_start, per_seed, pin_seed_start
+
+    weights, used = {}, dict.fromkeys(spec.get("init") or spec.get("model") for spec in specs.values()
+                                      if spec.get("init") or spec.get("model"))
+    seeded = [n for n in plan.settings["starts"] if per_seed(plan, n)]  # built per seed, in the plan's order
+    for name in [n for n in used if not per_seed(plan, n)]:
         path = start_path(plan, name)
         if not path.is_dir():
             raise StudyError(f"{path}: start '{name}' not found; build it with the commands under settings.starts."
@@ -373,6 +392,16 @@ def run(plan_path, json_path=None, runs=None, seeds=None, max_minutes=None, arms
                          "updates, start weights); those cells would never be taken over")
     added, waiting, recipes = 0, [], {}
     for seed in order:
+        if seeded and any(not table.has(a, seed, k) for a in arm_order for k in eval_order):
+            for name in seeded:  # this seed's own starts, built by the plan's commands where they are not here
+                left = None if max_minutes is None else max_minutes - (time.time() - t0) / 60
+                if not build_start(plan, name, seed, left):
+                    print(f"stopped after {(time.time() - t0) / 60:.1f} min (--max-minutes {max_minutes}) while "
+                          f"building seed {seed}'s start {name} (it resumes from its checkpoint); {added} cells "
+                          "added this run; rerun to continue", flush=True)
+                    return {"cells": added, "stopped": True, "waiting": waiting}
+                pin_seed_start(table, name, seed, fingerprint(resolve_model_dir(start_path(plan, name, seed))),
+                               restart=seed in (restart_seeds or ()))
         for arm in arm_order:
             for key in [k for k in eval_order if not table.has(arm, seed, k)]:
                 split = parse_eval(key)[2]

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from dlm.errors import DlmError
 from studies.plans import Plan
-from studies.report import plot, section
+from studies.report import curve_plot, plot, section
 from studies.sections import write_study_section
 from studies.tables import StudyTable
 
@@ -34,6 +34,8 @@ def main(argv=None) -> None:
     ap.add_argument("--json", help="its study table (default: docs/results/<plan name>.json)")
     ap.add_argument("--out", required=True, help="results doc whose marked numbers section is (re)written")
     ap.add_argument("--plot", help="PNG of accuracy against NFE (linked from the section)")
+    ap.add_argument("--curves", help="PNG of the learning curves: accuracy against denoiser passes along each run "
+                    "whose checkpoints the plan evaluates (arms {curve_of, at})")
     args = ap.parse_args(argv)
 
     try:
@@ -42,16 +44,18 @@ def main(argv=None) -> None:
         if not Path(json_path).is_file():
             print(f"{json_path}: no study table yet; every cell is reported missing")
         table = StudyTable(json_path, plan)
-        for path in (args.out, args.plot):  # a doc or plot in a folder not made yet: make it, no traceback
+        for path in (args.out, args.plot, args.curves):  # a doc or plot in a folder not made yet: make it, no traceback
             if path:
                 Path(path).parent.mkdir(parents=True, exist_ok=True)
         if args.plot:
             plot(table, args.plot)
-        text = section(table, args.plan, json_path, args.out, args.plot)
+        if args.curves:
+            curve_plot(table, args.curves)
+        text = section(table, args.plan, json_path, args.out, args.plot, args.curves)
         write_study_section(args.out, text.splitlines(), title=plan.name)
     except DlmError as e:
         sys.exit(f"error: {e}")
-    print(f"wrote {args.out}" + (f" and {args.plot}" if args.plot else ""))
+    print(f"wrote {args.out}" + "".join(f" and {p}" for p in (args.plot, args.curves) if p))
 
 
 if __name__ == "__main__":

@@ -19,7 +19,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 ROOT = Path(__file__).resolve().parents[1]
 PLANS = [ROOT / "benchmarks" / "plans" / f"{name}.yaml"  # the plans this driver runs
          for name in ("pumba-table2", "block-long", "pumba-bridges", "pumba-ablations", "pumba-reinforce",
-                      "pumba-table2-w8", "pumba-bridges-kept", "mdm-tinymath", "block-long-matched")]
+                      "pumba-table2-w8", "pumba-bridges-kept", "mdm-tinymath", "block-long-matched", "block-scaleup",
+                      "pumba-window-trend")]
 
 
 @pytest.mark.parametrize("path", PLANS, ids=[p.stem for p in PLANS])
@@ -28,13 +29,13 @@ def test_committed_plans_resolve_to_runnable_recipes(path, tmp_path):
 
     plan = Plan.load(path)
     pumba_study.check_plan(plan)
-    assert plan.seeds == (0, 1, 2) and plan.settings["comparisons"]
+    assert plan.seeds[:3] == (0, 1, 2) and plan.settings["comparisons"]
     for arm in plan.arms:
         spec = plan.settings["arm_specs"][arm]
         if "recipe" in spec:
             recipe = pumba_study.recipe_for(plan, arm, 0, tmp_path / arm)
             assert recipe.train.steps == spec["updates"] and recipe.train.seed == 0
-            assert recipe.model.init_from == plan.settings["starts"][spec["init"]]["path"]
+            assert recipe.model.init_from == str(pumba_study.start_path(plan, spec["init"], 0))
 
 
 def test_table2_controls_match_the_windows_denoiser_passes(tmp_path):
@@ -487,3 +488,85 @@ def test_zero_carry_copy_is_the_model_with_its_carry_zeroed(tmp_path, tiny_token
     with pytest.raises(DlmError, match="no carry layer"):
         write_zero_carry(tmp_path / "plain", tmp_path / "plain-copy")
     assert not (tmp_path / "plain-copy").exists() and not (tmp_path / "plain-copy.tmp").exists()
+
+
+def _seeded_plan(tmp_path, data):
+    """A plan whose warm start is built per seed by a `dlm train` command (a tiny MDM, 2 updates), with one trained
+    arm and a curve point read from its checkpoint after 1 update."""
+    small = ["data.level=easy", "data.n_train=64", "data.n_validation=4", "data.n_test=6", "model.max_length=160",
+             "model.label_shift=false", "train.batch_size=4", "train.checkpoint_every=1", "train.keep_checkpoints=3",
+             "train.log_every=1", "eval.n=2", "eval.test_n=2", "eval.max_new_tokens=16", "eval.batch_size=4"]
+    build = (f"dlm train recipes/tinymath/mdm.yaml --set data.dir={data} --set data.level=easy --set data.n_train=64 "
+             "--set data.n_validation=4 --set data.n_test=6 --set model.init_from=null --set model.preset=tiny "
+             "--set model.vocab_size=300 --set model.max_length=160 --set model.label_shift=false "
+             "--set train.batch_size=4 --set train.steps=2 --set eval.n=2 --set eval.test_n=2 "
+             f"--set eval.max_new_tokens=16 --set train.seed={{seed}} --out-dir {tmp_path}/starts/seed{{seed}}/warm")
+    plan = {"name": "seeded", "arms": ["mdm", "mdm@1"], "seeds": [0, 1], "evals": ["u=4"],
+            "settings": {"data": str(data), "n": 3, "max_new_tokens": 16, "eval_batch_size": 4,
+                         "starts": {"warm": {"path": f"{tmp_path}/starts/seed{{seed}}/warm", "commands": [build]}},
+                         "overrides": small,
+                         "arm_specs": {"mdm": {"recipe": "recipes/tinymath/mdm.yaml", "init": "warm", "updates": 2},
+                                       "mdm@1": {"curve_of": "mdm", "at": 1}}}}
+    path = tmp_path / "seeded.yaml"
+    path.write_text(yaml.safe_dump(plan))
+    return path
+
+
+def test_independent_starts_are_built_per_seed_and_rebuilt_to_the_same_bits(tmp_path, capsys):
+    """Each seed builds its own start with the plan's command (other bits per seed), the table pins each seed's
+    fingerprint, a curve point is its arm's checkpoint, and a start rebuilt on the same machine and thread count
+    has the same bits, so the table takes the rebuilt seed's cells; a start with other bits is refused."""
+    import pumba_study
+    from studies.plans import fingerprint
+
+    _, data = tiny_mdm_warm_start(tmp_path)
+    path = _seeded_plan(tmp_path, data)
+    out = pumba_study.run(path, tmp_path / "seeded.json", tmp_path / "runs")
+    assert out == {"cells": 4, "stopped": False, "waiting": []}
+    table = StudyTable(tmp_path / "seeded.json", Plan.load(path))
+    assert table.pins["warm/seed0"] != table.pins["warm/seed1"] and "warm" not in table.pins
+    for seed in (0, 1):
+        start = tmp_path / "starts" / f"seed{seed}" / "warm" / "model"
+        assert fingerprint(start) == table.pins[f"warm/seed{seed}"]
+        point, end = table.cell("mdm@1", seed, "u=4"), table.cell("mdm", seed, "u=4")
+        assert (point["updates"], end["updates"]) == (1, 2) and point["model"] != end["model"]
+        ckpt = tmp_path / "runs" / f"seed{seed}" / "mdm" / "checkpoints" / "step_0000001" / "model"
+        assert point["model"] == fingerprint(ckpt)
+    assert "building start warm" in capsys.readouterr().out
+    # seed 0's start lost and rebuilt by the plan's command: the same bits, so the table accepts it
+    shutil.rmtree(tmp_path / "starts" / "seed0")
+    shutil.rmtree(tmp_path / "runs" / "seed0")
+    first = json.loads((tmp_path / "seeded.json").read_text())
+    first["cells"] = [c for c in first["cells"] if c["seed"] != 0]
+    (tmp_path / "seeded.json").write_text(json.dumps(first))
+    again = pumba_study.run(path, tmp_path / "seeded.json", tmp_path / "runs", seeds=[0])
+    assert again["cells"] == 2
+    rebuilt = StudyTable(tmp_path / "seeded.json", Plan.load(path))
+    assert rebuilt.cell("mdm", 0, "u=4")["model"] == table.cell("mdm", 0, "u=4")["model"]
+    assert rebuilt.cell("mdm", 0, "u=4")["correct"] == table.cell("mdm", 0, "u=4")["correct"]
+    # other bits in place of seed 1's start: refused, naming --restart-seeds
+    from safetensors.torch import load_file, save_file
+
+    weights = next((tmp_path / "starts" / "seed1" / "warm" / "model").glob("*.safetensors"))
+    state = load_file(weights)
+    save_file({k: v + 1 if i == 0 else v for i, (k, v) in enumerate(state.items())}, weights, metadata={"format": "pt"})
+    first = json.loads((tmp_path / "seeded.json").read_text())
+    first["cells"] = [c for c in first["cells"] if (c["seed"], c["arm"]) != (1, "mdm@1")]
+    (tmp_path / "seeded.json").write_text(json.dumps(first))
+    with pytest.raises(StudyError, match="--restart-seeds 1"):
+        pumba_study.run(path, tmp_path / "seeded.json", tmp_path / "runs", seeds=[1])
+
+
+def test_curve_points_must_be_saved_and_kept(tmp_path):
+    import pumba_study
+
+    _, data = tiny_mdm_warm_start(tmp_path)
+    raw = yaml.safe_load(_seeded_plan(tmp_path, data).read_text())
+    for at, overrides, match in [(2, [], "between 0 and mdm's 2"), (1, ["train.checkpoint_every=2"], "not at 1"),
+                                 (1, ["train.keep_checkpoints=1"], "keeps its last 1 checkpoints")]:
+        raw["settings"]["arm_specs"]["mdm@1"]["at"] = at
+        raw["settings"]["arm_specs"]["mdm"]["set"] = overrides
+        bad = tmp_path / "bad.yaml"
+        bad.write_text(yaml.safe_dump(raw))
+        with pytest.raises(StudyError, match=match):
+            pumba_study.check_plan(Plan.load(bad))

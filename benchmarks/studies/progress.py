@@ -82,11 +82,11 @@ def absent_starts(plan: Plan, table: StudyTable | None, plans: Path) -> list[str
 
 def _shared_starts(plan: Plan) -> list[str]:
     """The pinned models a plan's missing cells build on and cannot retrain bit for bit: the starts of a PUMBA plan
-    (settings.starts), the models a TESS 2 plan trains once for every seed (settings.train entries without a
-    per-seed `seed: study`)."""
+    (settings.starts; not those built per seed, whose commands the driver runs itself: studies.seeded), the models
+    a TESS 2 plan trains once for every seed (settings.train entries without a per-seed `seed: study`)."""
     s = plan.settings
     if s.get("starts"):
-        return list(s["starts"])
+        return [n for n, e in s["starts"].items() if "{seed}" not in str((e or {}).get("path", ""))]
     return [n for n, e in (s.get("train") or {}).items() if e.get("seed") != "study"]
 
 

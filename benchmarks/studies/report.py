@@ -39,13 +39,72 @@ def _retired(table) -> list[str]:
     return lines
 
 
-def section(table, plan_path: str, json_path: str, out: str, plot: str | None = None) -> str:
+def section(table, plan_path: str, json_path: str, out: str, plot: str | None = None,
+            curves_plot: str | None = None) -> str:
     """The generated markdown between the markers."""
     lines = _header(table, plan_path, json_path, out) + _retired(table) + _accuracy(table) + _nfe(table)
-    lines += _comparisons(table) + _mixed(table) + _missing(table)
+    lines += _curve_table(table) + _comparisons(table) + _mixed(table) + _missing(table)
     if plot:
         lines += ["", f"![accuracy against NFE]({_rel(plot, out)})"]
+    if curves_plot:
+        lines += ["", f"![learning curves]({_rel(curves_plot, out)})"]
     return "\n".join(lines)
+
+
+def curves(table) -> dict[str, list[tuple[int, float, float | None, int]]]:
+    """{trained arm: [(denoiser passes, accuracy mean, sd over seeds, seeds)]} along its run: its curve arms
+    ({curve_of, at}) and its end, at the plan's first evaluation; only arms the plan reads a curve of."""
+    specs, key = table.plan.settings.get("arm_specs") or {}, table.plan.evals[0]
+    out: dict[str, list] = {}
+    for arm in table.plan.arms:
+        parent = specs.get(arm, {}).get("curve_of")
+        if parent:
+            out.setdefault(parent, [])
+    for parent in out:
+        points = [a for a in table.plan.arms if specs.get(a, {}).get("curve_of") == parent] + [parent]
+        for a in points:
+            s = table.summary(a, key)
+            passes = [c.get("passes") for c in table.cells if c["arm"] == a and c["eval"] == key]
+            if s["mean"] is not None and passes and passes[0] is not None:
+                out[parent].append((int(passes[0]), s["mean"], s["sd"], len(s["seeds"])))
+        out[parent].sort()
+    return {k: v for k, v in out.items() if v}
+
+
+def _curve_table(table) -> list[str]:
+    """Learning curves as text: accuracy along each run against its denoiser passes so far."""
+    found = curves(table)
+    if not found:
+        return []
+    lines = ["", f"Learning curves at {table.plan.evals[0]}: accuracy (%, mean ± sd over seeds, seeds in brackets) of "
+             "each run's checkpoints, by denoiser passes so far (updates × W; the last point is the run's end, its "
+             "learning rate annealed to 0, the others mid-schedule).", ""]
+    for arm, pts in found.items():
+        lines.append(f"- {arm}: " + "; ".join(
+            f"{p} passes {100 * m:.1f}" + (f" ± {100 * sd:.1f}" if sd is not None else "") + f" [{n}]"
+            for p, m, sd, n in pts))
+    return lines
+
+
+def curve_plot(table, path: str | Path) -> None:
+    """Accuracy (mean ± sd over seeds) against denoiser passes along each run: the lines of `curves`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for arm, pts in curves(table).items():
+        x, y, e = zip(*((p, 100 * m, 100 * (sd or 0)) for p, m, sd, _ in pts))
+        ax.errorbar(x, y, yerr=e, marker="o", capsize=3, label=arm)
+    ax.set_xlabel("denoiser passes (updates x W)")
+    ax.set_ylabel("accuracy (%), mean ± sd over seeds")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(f"{table.plan.name}: learning curves at {table.plan.evals[0]}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def _header(table, plan_path: str, json_path: str, out: str) -> list[str]:
@@ -180,8 +239,8 @@ def series(table) -> list[tuple[str, list[tuple[float, float, float]]]]:
     keys = [k for k in table.plan.evals if "/" not in k]
     kinds = list(dict.fromkeys(k.split("=")[0] for k in keys))
     names = {"u": "top-u", "tau": "threshold"}
-    out = []
-    for arm in table.plan.arms:
+    out, specs = [], table.plan.settings.get("arm_specs") or {}
+    for arm in [a for a in table.plan.arms if "curve_of" not in specs.get(a, {})]:  # curves: `curve_plot`
         groups = {kind: sorted({(s["mean_nfe"], 100 * s["mean"], 100 * (s["sd"] or 0)) for s in
                                 (table.summary(arm, k) for k in keys if k.split("=")[0] == kind)
                                 if s["mean"] is not None}) for kind in kinds}

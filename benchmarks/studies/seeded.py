@@ -1,0 +1,161 @@
+"""Independent starts and learning curves for the pre-registered plans (issue 48).
+
+Independent starts. A start whose `path` holds `{seed}` (settings.starts.<name>.path) is built per seed by the plan's
+own commands, with `{seed}` filled in: each seed trains its own AR parent and warm start, so the variance between
+starting models is sampled, and the plan's commands are the source of truth (`benchmarks/starts.py restore` is an
+optimisation, never a requirement). The driver runs the commands in the repository root when the start's model is
+not there, at settings.start_threads CPU threads (default 1): the same commands on the same machine and thread count
+give the same bits (tests/test_study_drivers.py checks a rebuild), so a later session can rebuild a seed's starts and
+continue its cells. Another machine (another CPU's vector width, another torch build) or thread count gives other
+bits: the table pins each seed's start fingerprints and refuses cells from other weights unless the seed is restarted.
+A `dlm train` command whose run directory holds a checkpoint resumes it (--resume), and with a budget it stops at
+that wall time (train.max_minutes) and continues on the next call.
+
+Learning curves. An arm {curve_of: <trained arm>, at: <updates>} is the trained arm's checkpoint after `at` updates,
+evaluated like any arm: a plan lists, for every trained arm, the points its curve is read at, and its comparisons can
+pair a point of one curve with another (equal updates, or equal denoiser passes). The trained arm's recipe must save a
+checkpoint at every such point and keep it (train.checkpoint_every, train.keep_checkpoints); `check_curves` says which
+setting is short."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from studies.plans import StudyError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def per_seed(plan, name: str) -> bool:
+    """Whether start `name` is built per seed (its path holds {seed})."""
+    return "{seed}" in str(plan.settings["starts"][name]["path"])
+
+
+def start_path(plan, name: str, seed: int | None = None) -> Path:
+    """The directory of start `name` (in `seed`, for a per-seed start)."""
+    path = str(plan.settings["starts"][name]["path"])
+    if "{seed}" in path:
+        if seed is None:
+            raise StudyError(f"{plan.source}: start {name!r} is built per seed ({path}); name the seed")
+        path = path.replace("{seed}", str(seed))
+    return Path(path)
+
+
+def start_commands(plan, name: str, seed: int) -> list[str]:
+    """The commands that build start `name` in `seed`, as the plan writes them with {seed} filled in."""
+    return [str(c).replace("{seed}", str(seed)) for c in plan.settings["starts"][name].get("commands") or []]
+
+
+def _has_model(path: Path) -> bool:
+    return (path / "model" / "config.json").is_file() or (path / "config.json").is_file()
+
+
+def _out_dir(words: list[str]) -> Path | None:
+    """The run directory a `dlm train` command writes (--out-dir, or --set out_dir=)."""
+    for i, w in enumerate(words[:-1]):
+        if w == "--out-dir":
+            return Path(words[i + 1])
+        if w == "--set" and words[i + 1].startswith("out_dir="):
+            return Path(words[i + 1].split("=", 1)[1])
+    return None
+
+
+def _dlm() -> str:
+    """The dlm command of the Python running this driver (its virtual environment), else the one on PATH."""
+    local = Path(sys.executable).parent / "dlm"
+    return str(local) if local.is_file() else "dlm"
+
+
+def build_start(plan, name: str, seed: int, minutes: float | None = None, root: Path = ROOT) -> bool:
+    """Build start `name` for `seed` with the plan's commands unless its model is there. True when the model is
+    there afterwards; False when the budget (`minutes`) ran out first: a `dlm train` command then stopped with a
+    checkpoint, and the next call resumes it. A command that fails is one StudyError naming it."""
+    path = start_path(plan, name, seed)
+    if _has_model(path if path.is_absolute() else root / path):
+        return True
+    t0 = time.time()
+    env = {**os.environ, "OMP_NUM_THREADS": str(plan.settings.get("start_threads", 1))}
+    for command in start_commands(plan, name, seed):
+        left = None if minutes is None else minutes - (time.time() - t0) / 60
+        if left is not None and left <= 0:
+            return False
+        words = shlex.split(command)
+        if words[:2] == ["dlm", "train"]:
+            out = _out_dir(words)
+            run = None if out is None else out if out.is_absolute() else root / out
+            if run is not None and _has_model(run):
+                continue  # this step of the start is built already
+            words[0] = _dlm()
+            if run is not None and (run / "checkpoints" / "latest").is_file():
+                words.append("--resume")
+            if left is not None:
+                words += ["--set", f"train.max_minutes={left:.2f}"]
+            words.append("--no-progress")
+        print(f"== seed {seed}: building start {name}: {command}", flush=True)
+        done = subprocess.run(words, cwd=root, env=env)
+        if done.returncode != 0:
+            raise StudyError(f"{plan.source}: building start {name!r} for seed {seed} failed (exit {done.returncode}) "
+                             f"at: {command}")
+    return _has_model(path if path.is_absolute() else root / path)
+
+
+def pin_seed_start(table, name: str, seed: int, value: str, restart: bool = False) -> None:
+    """Pin a per-seed start's fingerprint for `seed` (name/seed<s>). Other weights than the pinned ones (a rebuild
+    on another machine or thread count) are refused, unless `restart`: then the seed's cells so far are retired and
+    the new weights pinned."""
+    pinned = table.pinned(name, seed)
+    if pinned is None:
+        table.pin(f"{name}/seed{seed}", value)
+    elif pinned != value:
+        if not restart:
+            raise StudyError(f"{table.path}: seed {seed}'s cells came from {name} {pinned} but the start built here is "
+                             f"{value} (a rebuild on another machine or thread count gives other bits); "
+                             f"--restart-seeds {seed} runs the seed again from it (its cells so far are retired)")
+        reason = (f"seed {seed} restarted on {time.strftime('%Y-%m-%d')}: its start {name} was rebuilt with other "
+                  f"bits ({pinned} -> {value})")
+        gone = table.restart(seed, {name: value}, reason)
+        print(f"{reason}; {len(gone)} cells of seed {seed} retired", flush=True)
+
+
+def check_curves(plan, recipe_for) -> None:
+    """Every curve arm names a trained arm of the plan and a point inside its run that the run saves and keeps."""
+    specs = plan.settings.get("arm_specs") or {}
+    for arm, spec in specs.items():
+        if "curve_of" not in spec:
+            continue
+        parent, at = spec["curve_of"], spec.get("at")
+        pspec = specs.get(parent) or {}
+        if parent not in plan.arms or "recipe" not in pspec:
+            raise StudyError(f"{plan.source}: arm {arm!r}: curve_of must name a trained arm of the plan, "
+                             f"got {parent!r}")
+        if not isinstance(at, int) or not 0 < at < pspec["updates"]:
+            raise StudyError(f"{plan.source}: arm {arm!r}: at must be an integer between 0 and {parent}'s "
+                             f"{pspec['updates']} updates, got {at!r}")
+        train = recipe_for(plan, parent, 0, Path("RUN")).train
+        every, keep = train.checkpoint_every, train.keep_checkpoints
+        if not every or at % every:
+            raise StudyError(f"{plan.source}: arm {arm!r}: {parent} saves a checkpoint every {every} updates, not at "
+                             f"{at}; set train.checkpoint_every to a divisor of every curve point")
+        if (pspec["updates"] - at) // every + 1 > keep:
+            raise StudyError(f"{plan.source}: arm {arm!r}: {parent} keeps its last {keep} checkpoints, which do not "
+                             f"reach back to update {at}; raise train.keep_checkpoints to at least "
+                             f"{(pspec['updates'] - at) // every + 1}")
+
+
+def curve_model(run: Path, at: int, record: dict) -> tuple[Path, dict]:
+    """(model directory, training record) of a trained run's checkpoint after `at` updates: the record's updates,
+    denoiser passes and training seconds taken pro rata."""
+    from studies.plans import fingerprint
+
+    model = run / "checkpoints" / f"step_{at:07d}" / "model"
+    if not (model / "config.json").is_file():
+        raise StudyError(f"{model}: the checkpoint after {at} updates is not here (trained before the plan kept it, "
+                         "or pruned); train the arm again in a fresh --runs to read its curve")
+    share = at / record["updates"]
+    return model, {"updates": at, "passes": round(record["passes"] * share),
+                   "train_seconds": round(record["train_seconds"] * share, 1), "fingerprint": fingerprint(model)}
