@@ -106,14 +106,18 @@ def run(plan_path, json_path=None, runs=None, seeds=None, arms=None, max_minutes
     s = plan.settings
     table = StudyTable(json_path or ROOT / "docs" / "results" / f"{plan.name}.json", plan)
     runs = Path(runs or Path("runs") / plan.name)
-    for flag, path in (("start", s["start"]), ("data", s["data"])):
-        if not Path(path).is_dir():
-            raise StudyError(f"{plan.source}: settings.{flag} {path}: no such directory (`python benchmarks/starts.py "
-                             "restore`, or the commands in the plan's header)")
-    table.pin("warm_start", fingerprint(resolve_model_dir(s["start"])))
-    digest = problems_digest(held_out(plan))
     todo = [(seed, arm) for seed in subset("seeds", seeds, plan.seeds) for arm in subset("arms", arms, plan.arms)
             if not table.has(arm, seed, EVAL)]
+    if not todo:  # a finished table (a fresh clone of a finished study): no start or data needed
+        print(f"nothing to run: every selected cell of {plan.name} is in {table.path}", flush=True)
+        return 0
+    for flag, path in (("start", s["start"]), ("data", s["data"])):
+        if not Path(path).is_dir():
+            raise StudyError(f"{plan.source}: settings.{flag} {path}: no such directory (build it with the commands "
+                             "in the plan's header; `python benchmarks/starts.py restore` puts back a kept copy where "
+                             "this machine has one)")
+    table.pin("warm_start", fingerprint(resolve_model_dir(s["start"])))
+    digest = problems_digest(held_out(plan))
     M = lo.mean_maskable(s["start"], s["data"], s["canvas"]) if todo else None
     added, last = 0, 0.0
     for seed, arm in todo:

@@ -77,11 +77,22 @@ def run(plan_path, json_path=None, runs=None, seeds=None, arms=None, max_minutes
     check_plan(plan)
     table = StudyTable(json_path or ROOT / "docs" / "results" / f"{plan.name}.json", plan)
     runs = Path(runs or Path("runs") / plan.name)
+    if all(table.has(a, s, k) for s in subset("seeds", seeds, plan.seeds) for a in subset("arms", arms, plan.arms)
+           for k in plan.evals):  # a finished table (a fresh clone of a finished study): no start needed
+        print(f"nothing to run: every selected cell of {plan.name} is in {table.path}", flush=True)
+        return 0
+    from studies.seeded import stopped_reason
+
+    if stopped_reason(plan_path):
+        print(f"{plan.name} is {stopped_reason(plan_path)}; its missing cells will not run (the plan's header says "
+              "why)", flush=True)
+        return 0
     for name in dict.fromkeys(spec["init"] for spec in plan.settings["arm_specs"].values() if spec.get("init")):
         path = pumba_study.start_path(plan, name)
         if not path.is_dir():
-            raise StudyError(f"{path}: start '{name}' not found; `python benchmarks/starts.py restore` or build it "
-                             f"with the commands under settings.starts.{name} in {plan.source}")
+            raise StudyError(f"{path}: start '{name}' not found; build it with the commands under "
+                             f"settings.starts.{name} in {plan.source} (`python benchmarks/starts.py restore` puts "
+                             "back a kept copy where this machine has one)")
         table.pin(name, fingerprint(resolve_model_dir(path)))
     problems = records(plan)
     digest = problems_digest(problems)

@@ -373,16 +373,25 @@ def run(plan_path, json_path=None, runs=None, seeds=None, max_minutes=None, arms
     if set(take_only) - set(plan.arms):
         raise StudyError(f"--take-only {sorted(set(take_only) - set(plan.arms))} not in the plan's arms "
                          f"{list(plan.arms)}")
-    from studies.seeded import build_start, per_seed, pin_seed_start
+    from studies.seeded import build_start, per_seed, pin_seed_start, stopped_reason
 
+    todo = [(s, a, k) for s in order for a in arm_order for k in eval_order if not table.has(a, s, k)]
+    if not todo:  # a finished table (a fresh clone of a finished study): nothing to build, nothing to run
+        print(f"nothing to run: every selected cell of {plan.name} is in {table.path}", flush=True)
+        return {"cells": 0, "stopped": False, "waiting": []}
+    reason = stopped_reason(plan_path)
+    if reason and not restart_seeds:
+        print(f"{plan.name} is {reason}; its {len(todo)} missing cells will not run (the plan's header says why)",
+              flush=True)
+        return {"cells": 0, "stopped": True, "waiting": []}
     weights, used = {}, dict.fromkeys(spec.get("init") or spec.get("model") for spec in specs.values()
                                       if spec.get("init") or spec.get("model"))
     seeded = [n for n in plan.settings["starts"] if per_seed(plan, n)]  # built per seed, in the plan's order
     for name in [n for n in used if not per_seed(plan, n)]:
         path = start_path(plan, name)
-        if not path.is_dir():
-            raise StudyError(f"{path}: start '{name}' not found; build it with the commands under settings.starts."
-                             f"{name} in {plan.source}")
+        if not path.is_dir() and not build_start(plan, name, order[0], max_minutes):
+            raise StudyError(f"{path}: start '{name}' not found and its commands under settings.starts.{name} in "
+                             f"{plan.source} did not build it")
         weights[name] = fingerprint(resolve_model_dir(path))
     pin_starts(table, weights, order, restart_seeds)
     donors = Donors(plan, table, reuse)

@@ -9,7 +9,9 @@ bits: on 2026-12-02 the rebuilt AR parent's training loss left the pinned run's 
 2.6164372; equal at update 20), so a table pinned to lost weights cannot be extended as it was: its unfinished seeds
 can only run again from rebuilt starts (pumba_study.py --restart-seeds, which retires their earlier cells). That
 happened on 2026-12-05, when a new session's machine no longer had the weights saved here. A start saved here is
-restored instead of rebuilt, on the machine that saved it:
+restored instead of rebuilt, on the machine that saved it. Restoring is an optimisation, never a requirement
+(issue 48): on a machine without the weights, `restore` says which are absent and exits 0, and the drivers build a
+missing start with its plan's commands:
 
     python benchmarks/starts.py restore                       # every saved start into its runs/ path
     python benchmarks/starts.py save runs/calib-ar-medium     # a start just built: copied in and fingerprinted
@@ -47,8 +49,13 @@ def main(argv=None) -> None:
                 e = save(run)
                 print(f"saved {run}: fingerprint {e['fingerprint']}")
         elif args.command == "restore":
-            done = restore(names=args.names or None)
-            print("restored: " + (", ".join(done) if done else "nothing (every start already in place)"))
+            absent: list[str] = []
+            done = restore(names=args.names or None, absent=absent)
+            print("restored: " + (", ".join(done) if done else "nothing"))
+            if absent:  # a fresh clone: restoring is an optimisation, the plans' commands build what they need
+                print(f"not on this machine (weights are kept out of git): {', '.join(absent)}; the study drivers "
+                      "build a missing start with its plan's commands (settings.starts), which on another machine "
+                      "gives other bits than a table pinned (its unfinished seeds then need --restart-seeds)")
         else:
             pins = pinned_by()
             for name, e in sorted(manifest().items()):

@@ -159,3 +159,15 @@ def curve_model(run: Path, at: int, record: dict) -> tuple[Path, dict]:
     share = at / record["updates"]
     return model, {"updates": at, "passes": round(record["passes"] * share),
                    "train_seconds": round(record["train_seconds"] * share, 1), "fingerprint": fingerprint(model)}
+
+
+def stopped_reason(plan_path) -> str | None:
+    """'STOPPED (date) …' or 'FROZEN (date) …' from a plan's header comment, or None: such a plan's missing cells
+    will not run (its header says why), so its Run command reports that instead of building starts."""
+    for line in Path(plan_path).read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        text = line.lstrip("# ").strip()
+        if text.startswith(("STOPPED", "FROZEN")):
+            return text.split(")")[0] + ")" if ")" in text else text.split(":")[0]
+    return None

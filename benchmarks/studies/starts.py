@@ -74,9 +74,11 @@ def save(run: str | Path, store: Path = STORE, root: Path = ROOT) -> dict:
     return entry
 
 
-def restore(store: Path = STORE, root: Path = ROOT, names=None) -> list[str]:
+def restore(store: Path = STORE, root: Path = ROOT, names=None, absent: list | None = None) -> list[str]:
     """Put every saved start (or `names`) back at its runs/ path, unless that path already holds the same weights;
-    regenerate its tinymath data and check it. Returns what was restored."""
+    regenerate its tinymath data and check it. Returns what was restored. A start whose weights are not in the store
+    (a fresh clone: weights stay out of git) is an optimisation missed, not an error: it is listed in `absent` (when
+    given) and skipped; the plans build their starts with their own commands (issue 48)."""
     from dlm.config import DataConfig
     from dlm.data.pipeline import load_splits
     from dlm.errors import DlmError
@@ -94,8 +96,11 @@ def restore(store: Path = STORE, root: Path = ROOT, names=None) -> list[str]:
             pass  # already there
         else:
             if not any((store / name / "model").glob("*.safetensors")):
-                raise DlmError(f"{store / name / 'model'}: no weights here; they are not in git: copy them from "
-                               f"the machine that saved them (fingerprint {entry['fingerprint']})")
+                if absent is None:
+                    raise DlmError(f"{store / name / 'model'}: no weights here; they are not in git: copy them from "
+                                   f"the machine that saved them (fingerprint {entry['fingerprint']})")
+                absent.append(name)
+                continue
             if (run / "model").exists():
                 raise DlmError(f"{run}: holds another model than the saved start {name} "
                                f"({fingerprint(run / 'model')} vs {entry['fingerprint']}); move it away first")
