@@ -9,7 +9,8 @@ give the same bits (tests/test_study_drivers.py checks a rebuild), so a later se
 continue its cells. Another machine (another CPU's vector width, another torch build) or thread count gives other
 bits: the table pins each seed's start fingerprints and refuses cells from other weights unless the seed is restarted.
 A `dlm train` command whose run directory holds a checkpoint resumes it (--resume), and with a budget it stops at
-that wall time (train.max_minutes) and continues on the next call.
+that wall time (train.max_minutes) and continues on the next call. A lock file beside the start lets two drivers
+that share a start (block-scaleup and pumba-window-trend share each seed's AR parent) build it once.
 
 Learning curves. An arm {curve_of: <trained arm>, at: <updates>} is the trained arm's checkpoint after `at` updates,
 evaluated like any arm: a plan lists, for every trained arm, the points its curve is read at, and its comparisons can
@@ -19,6 +20,7 @@ setting is short."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shlex
 import subprocess
@@ -76,7 +78,17 @@ def build_start(plan, name: str, seed: int, minutes: float | None = None, root: 
     there afterwards; False when the budget (`minutes`) ran out first: a `dlm train` command then stopped with a
     checkpoint, and the next call resumes it. A command that fails is one StudyError naming it."""
     path = start_path(plan, name, seed)
-    if _has_model(path if path.is_absolute() else root / path):
+    full = path if path.is_absolute() else root / path
+    if _has_model(full):
+        return True
+    full.parent.mkdir(parents=True, exist_ok=True)
+    with open(full.parent / f".{full.name}.lock", "w") as lock:  # two drivers (two plans sharing an AR parent)
+        fcntl.flock(lock, fcntl.LOCK_EX)                           # build it once: the second waits, then finds it
+        return _build(plan, name, seed, minutes, root, full)
+
+
+def _build(plan, name: str, seed: int, minutes: float | None, root: Path, full: Path) -> bool:
+    if _has_model(full):
         return True
     t0 = time.time()
     env = {**os.environ, "OMP_NUM_THREADS": str(plan.settings.get("start_threads", 1))}
@@ -101,7 +113,7 @@ def build_start(plan, name: str, seed: int, minutes: float | None = None, root: 
         if done.returncode != 0:
             raise StudyError(f"{plan.source}: building start {name!r} for seed {seed} failed (exit {done.returncode}) "
                              f"at: {command}")
-    return _has_model(path if path.is_absolute() else root / path)
+    return _has_model(full)
 
 
 def pin_seed_start(table, name: str, seed: int, value: str, restart: bool = False) -> None:
