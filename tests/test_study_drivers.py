@@ -512,7 +512,7 @@ def _seeded_plan(tmp_path, data):
     return path
 
 
-def test_independent_starts_are_built_per_seed_and_rebuilt_to_the_same_bits(tmp_path, capsys):
+def test_independent_starts_are_built_per_seed_and_rebuilt_to_the_same_bits(tmp_path, capsys, monkeypatch):
     """Each seed builds its own start with the plan's command (other bits per seed), the table pins each seed's
     fingerprint, a curve point is its arm's checkpoint, and a start rebuilt on the same machine and thread count
     has the same bits, so the table takes the rebuilt seed's cells; a start with other bits is refused."""
@@ -521,6 +521,7 @@ def test_independent_starts_are_built_per_seed_and_rebuilt_to_the_same_bits(tmp_
 
     _, data = tiny_mdm_warm_start(tmp_path)
     path = _seeded_plan(tmp_path, data)
+    monkeypatch.setattr("studies.seeded.CURVE_POINTS", 1)  # one curve point keeps this test small
     out = pumba_study.run(path, tmp_path / "seeded.json", tmp_path / "runs")
     assert out == {"cells": 4, "stopped": False, "waiting": []}
     table = StudyTable(tmp_path / "seeded.json", Plan.load(path))
@@ -557,11 +558,14 @@ def test_independent_starts_are_built_per_seed_and_rebuilt_to_the_same_bits(tmp_
         pumba_study.run(path, tmp_path / "seeded.json", tmp_path / "runs", seeds=[1])
 
 
-def test_curve_points_must_be_saved_and_kept(tmp_path):
+def test_curve_points_must_be_saved_and_kept(tmp_path, monkeypatch):
     import pumba_study
 
     _, data = tiny_mdm_warm_start(tmp_path)
     raw = yaml.safe_load(_seeded_plan(tmp_path, data).read_text())
+    with pytest.raises(StudyError, match=r"read at 1 checkpoint\(s\); a plan on independent starts"):
+        pumba_study.check_plan(Plan.load(_seeded_plan(tmp_path, data)))  # the smoke plan's one point is too few
+    monkeypatch.setattr("studies.seeded.CURVE_POINTS", 1)
     for at, overrides, match in [(2, [], "between 0 and mdm's 2"), (1, ["train.checkpoint_every=2"], "not at 1"),
                                  (1, ["train.keep_checkpoints=1"], "keeps its last 1 checkpoints")]:
         raw["settings"]["arm_specs"]["mdm@1"]["at"] = at

@@ -134,9 +134,21 @@ def pin_seed_start(table, name: str, seed: int, value: str, restart: bool = Fals
         print(f"{reason}; {len(gone)} cells of seed {seed} retired", flush=True)
 
 
+CURVE_POINTS = 3  # a plan on independent starts reads every trained arm at >= 3 checkpoints and its end (issue 48)
+
+
 def check_curves(plan, recipe_for) -> None:
-    """Every curve arm names a trained arm of the plan and a point inside its run that the run saves and keeps."""
+    """Every curve arm names a trained arm of the plan and a point inside its run that the run saves and keeps; a
+    plan on independent starts (issue 48's form) gives every trained arm at least CURVE_POINTS of them, so that an
+    equal-update comparison is read against its curve."""
     specs = plan.settings.get("arm_specs") or {}
+    if any(per_seed(plan, n) for n in plan.settings.get("starts") or {}):
+        for arm in plan.arms:
+            points = sum(1 for a in plan.arms if (specs.get(a) or {}).get("curve_of") == arm)
+            if "recipe" in (specs.get(arm) or {}) and points < CURVE_POINTS:
+                raise StudyError(f"{plan.source}: arm {arm!r} is read at {points} checkpoint(s); a plan on "
+                                 f"independent starts reads every trained arm at >= {CURVE_POINTS} checkpoints and "
+                                 f"its end (arms {{curve_of: {arm}, at: N}})")
     for arm, spec in specs.items():
         if "curve_of" not in spec:
             continue
