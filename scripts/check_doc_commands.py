@@ -30,7 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 REPO_DIRS = ("benchmarks/", "recipes/", "scripts/", "docs/")
-OUTPUT_FLAGS = {"--out", "--out-dir", "--plot", "--json", "--samples", "--output"}
+OUTPUT_FLAGS = {"--out", "--out-dir", "--plot", "--curves", "--json", "--samples", "--output"}
 
 
 class _Parsed(Exception):
