@@ -116,7 +116,9 @@ def recipe_for(plan, arm: str, seed: int, run_dir: Path):
                  f"model.init_from={start_path(plan, spec['init'], seed)}", f"data.dir={s['data']}",
                  f"train.steps={spec['updates']}", f"train.seed={seed}", f"out_dir={run_dir}",
                  f"name={plan.name}-{arm}-seed{seed}"]
-    return load_recipe(recipe if recipe.is_absolute() else ROOT / recipe, overrides)
+    from studies.seeded import keep_for_curves
+
+    return keep_for_curves(plan, arm, load_recipe(recipe if recipe.is_absolute() else ROOT / recipe, overrides))
 
 
 def recipe_digest(plan, arm: str) -> str:
@@ -152,10 +154,14 @@ def trained_model(plan, arm: str, seed: int, runs: Path, minutes: float | None =
     if "model_of" in spec:
         return trained_model(plan, spec["model_of"], seed, runs)
     if "curve_of" in spec:
-        from studies.seeded import curve_model
+        from studies.seeded import curve_model, partial_record
 
+        run = runs / f"seed{seed}" / spec["curve_of"]
+        partial = partial_record(run, spec["at"], passes_per_update(recipe_for(plan, spec["curve_of"], seed, run)))
+        if partial is not None:  # its run passed this point and stopped on a budget: the checkpoint is final
+            return curve_model(run, spec["at"], partial)
         done = trained_model(plan, spec["curve_of"], seed, runs, minutes)
-        return None if done is None else curve_model(runs / f"seed{seed}" / spec["curve_of"], spec["at"], done[1])
+        return None if done is None else curve_model(run, spec["at"], done[1])
     run = runs / f"seed{seed}" / arm
     record_file = run / "study_train.json"
     if record_file.is_file() and (run / "model" / "config.json").is_file():
@@ -181,6 +187,14 @@ def trained_model(plan, arm: str, seed: int, runs: Path, minutes: float | None =
               "fingerprint": fingerprint(run / "model")}
     record_file.write_text(json.dumps(record, indent=1) + "\n")
     return run / "model", record
+
+
+def reached(plan, arm: str, seed: int, runs: Path) -> bool:
+    """Whether `arm` is a curve point whose checkpoint its run (stopped on a budget) has already written."""
+    spec = plan.settings["arm_specs"][arm]
+    at = spec.get("at")
+    return "curve_of" in spec and (runs / f"seed{seed}" / spec["curve_of"] / "checkpoints" / f"step_{at:07d}" /
+                                   "model" / "config.json").is_file()
 
 
 def split_file(plan, split: str) -> Path:
@@ -399,7 +413,7 @@ def run(plan_path, json_path=None, runs=None, seeds=None, max_minutes=None, arms
     if never:  # its cells could never arrive: say so now, not "not yet" in every session
         raise StudyError(f"--take-only {never}: no --reuse table has an arm that is the same training run (recipe, "
                          "updates, start weights); those cells would never be taken over")
-    added, waiting, recipes = 0, [], {}
+    added, waiting, recipes, out_of_time = 0, [], {}, False
     for seed in order:
         if seeded and any(not table.has(a, seed, k) for a in arm_order for k in eval_order):
             for name in seeded:  # this seed's own starts, built by the plan's commands where they are not here
@@ -413,6 +427,8 @@ def run(plan_path, json_path=None, runs=None, seeds=None, max_minutes=None, arms
                                restart=seed in (restart_seeds or ()))
         for arm in arm_order:
             for key in [k for k in eval_order if not table.has(arm, seed, k)]:
+                if out_of_time and not reached(plan, arm, seed, runs):
+                    break  # out of time: only curve points whose checkpoints a stopped run left are read
                 split = parse_eval(key)[2]
                 if not split_file(plan, split).is_file():
                     if key not in waiting:
@@ -447,9 +463,10 @@ def run(plan_path, json_path=None, runs=None, seeds=None, max_minutes=None, arms
                 trained = trained_model(plan, arm, seed, runs, left)
                 if trained is None:  # out of time, before or during its training
                     print(f"stopped after {(time.time() - t0) / 60:.1f} min (--max-minutes {max_minutes}) before "
-                          f"{arm} seed {seed} finished training (it resumes from its last checkpoint); {added} cells "
-                          "added this run; rerun to continue", flush=True)
-                    return {"cells": added, "stopped": True, "waiting": waiting}
+                          f"{arm} seed {seed} finished training (it resumes from its last checkpoint); the curve "
+                          "points it passed are read next", flush=True)
+                    out_of_time = True
+                    continue
                 model_dir, record = trained
                 zero = bool(specs[arm].get("zero_carry"))
                 weights = fingerprint(model_dir)
@@ -472,10 +489,13 @@ def run(plan_path, json_path=None, runs=None, seeds=None, max_minutes=None, arms
                 added += 1
                 print(f"seed {seed} {arm:14s} {key:14s} accuracy {100 * cell['accuracy']:5.1f} % | NFE "
                       f"{cell.get('mean_nfe') or 0:5.1f}{' (copied)' if twin else ''}", flush=True)
-                if max_minutes is not None and time.time() - t0 >= 60 * max_minutes:
+                if max_minutes is not None and time.time() - t0 >= 60 * max_minutes and not out_of_time:
                     print(f"stopped after {(time.time() - t0) / 60:.1f} min (--max-minutes {max_minutes}); "
                           f"{added} cells added this run; rerun to continue", flush=True)
                     return {"cells": added, "stopped": True, "waiting": waiting}
+        if out_of_time:
+            print(f"{added} cells added this run; rerun to continue", flush=True)
+            return {"cells": added, "stopped": True, "waiting": waiting}
     left = sum(1 for _ in table.missing())
     print(f"{added} cells added; {left} cells of the plan still missing", flush=True)
     return {"cells": added, "stopped": False, "waiting": waiting}

@@ -540,8 +540,18 @@ def test_independent_starts_are_built_per_seed_and_rebuilt_to_the_same_bits(tmp_
     first = json.loads((tmp_path / "seeded.json").read_text())
     first["cells"] = [c for c in first["cells"] if c["seed"] != 0]
     (tmp_path / "seeded.json").write_text(json.dumps(first))
+    from studies.seeded import build_start
+
+    assert build_start(Plan.load(path), "warm", 0)
+    # a run stopped on a budget after 1 update: its curve point is read from the checkpoint it left, and that is the
+    # checkpoint the uninterrupted run of the first phase had (the same bits)
+    assert pumba_study.trained_model(Plan.load(path), "mdm", 0, tmp_path / "runs", minutes=1e-6) is None
+    part = pumba_study.run(path, tmp_path / "seeded.json", tmp_path / "runs", seeds=[0], arms=["mdm@1"])
+    assert part["cells"] == 1 and not (tmp_path / "runs" / "seed0" / "mdm" / "study_train.json").exists()
+    early = StudyTable(tmp_path / "seeded.json", Plan.load(path)).cell("mdm@1", 0, "u=4")
+    assert early["model"] == table.cell("mdm@1", 0, "u=4")["model"] and early["updates"] == 1
     again = pumba_study.run(path, tmp_path / "seeded.json", tmp_path / "runs", seeds=[0])
-    assert again["cells"] == 2
+    assert again["cells"] == 1
     rebuilt = StudyTable(tmp_path / "seeded.json", Plan.load(path))
     assert rebuilt.cell("mdm", 0, "u=4")["model"] == table.cell("mdm", 0, "u=4")["model"]
     assert rebuilt.cell("mdm", 0, "u=4")["correct"] == table.cell("mdm", 0, "u=4")["correct"]
@@ -566,11 +576,16 @@ def test_curve_points_must_be_saved_and_kept(tmp_path, monkeypatch):
     with pytest.raises(StudyError, match=r"read at 1 checkpoint\(s\); a plan on independent starts"):
         pumba_study.check_plan(Plan.load(_seeded_plan(tmp_path, data)))  # the smoke plan's one point is too few
     monkeypatch.setattr("studies.seeded.CURVE_POINTS", 1)
-    for at, overrides, match in [(2, [], "between 0 and mdm's 2"), (1, ["train.checkpoint_every=2"], "not at 1"),
-                                 (1, ["train.keep_checkpoints=1"], "keeps its last 1 checkpoints")]:
+    for at, overrides, match in [(2, [], "between 0 and mdm's 2"), (1, ["train.checkpoint_every=2"], "not at 1")]:
         raw["settings"]["arm_specs"]["mdm@1"]["at"] = at
         raw["settings"]["arm_specs"]["mdm"]["set"] = overrides
         bad = tmp_path / "bad.yaml"
         bad.write_text(yaml.safe_dump(raw))
         with pytest.raises(StudyError, match=match):
             pumba_study.check_plan(Plan.load(bad))
+    # a recipe that keeps too few checkpoints for its curve is given enough (and a margin for budget stops)
+    raw["settings"]["arm_specs"]["mdm@1"]["at"] = 1
+    raw["settings"]["arm_specs"]["mdm"]["set"] = ["train.keep_checkpoints=1"]
+    bad.write_text(yaml.safe_dump(raw))
+    recipe = pumba_study.recipe_for(Plan.load(bad), "mdm", 0, tmp_path / "r")
+    assert recipe.train.keep_checkpoints == (2 - 1) // 1 + 1 + 3

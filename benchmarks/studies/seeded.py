@@ -15,8 +15,9 @@ that share a start (block-scaleup and pumba-window-trend share each seed's AR pa
 Learning curves. An arm {curve_of: <trained arm>, at: <updates>} is the trained arm's checkpoint after `at` updates,
 evaluated like any arm: a plan lists, for every trained arm, the points its curve is read at, and its comparisons can
 pair a point of one curve with another (equal updates, or equal denoiser passes). The trained arm's recipe must save a
-checkpoint at every such point and keep it (train.checkpoint_every, train.keep_checkpoints); `check_curves` says which
-setting is short."""
+checkpoint at every such point (train.checkpoint_every; `check_curves`), and the driver keeps them
+(`keep_for_curves`). A run stopped on a budget has its curve points read up to where it got (`partial_record`): the
+checkpoint after k updates is the same whether or not the run goes on, and runs/ does not outlive a session."""
 
 from __future__ import annotations
 
@@ -160,15 +161,42 @@ def check_curves(plan, recipe_for) -> None:
         if not isinstance(at, int) or not 0 < at < pspec["updates"]:
             raise StudyError(f"{plan.source}: arm {arm!r}: at must be an integer between 0 and {parent}'s "
                              f"{pspec['updates']} updates, got {at!r}")
-        train = recipe_for(plan, parent, 0, Path("RUN")).train
-        every, keep = train.checkpoint_every, train.keep_checkpoints
+        every = recipe_for(plan, parent, 0, Path("RUN")).train.checkpoint_every
         if not every or at % every:
             raise StudyError(f"{plan.source}: arm {arm!r}: {parent} saves a checkpoint every {every} updates, not at "
                              f"{at}; set train.checkpoint_every to a divisor of every curve point")
-        if (pspec["updates"] - at) // every + 1 > keep:
-            raise StudyError(f"{plan.source}: arm {arm!r}: {parent} keeps its last {keep} checkpoints, which do not "
-                             f"reach back to update {at}; raise train.keep_checkpoints to at least "
-                             f"{(pspec['updates'] - at) // every + 1}")
+
+
+KEEP_MARGIN = 3  # checkpoints beyond the curve's: a budget's stop writes one more, which must not prune a point
+
+
+def keep_for_curves(plan, arm: str, recipe):
+    """The recipe of a trained arm whose curve the plan reads, keeping every checkpoint from its earliest curve point
+    on (train.keep_checkpoints raised where the recipe keeps fewer, with KEEP_MARGIN for budget stops)."""
+    specs = plan.settings.get("arm_specs") or {}
+    points = [s["at"] for s in specs.values() if isinstance(s, dict) and s.get("curve_of") == arm
+              and isinstance(s.get("at"), int)]
+    every = recipe.train.checkpoint_every
+    if not points or not every:
+        return recipe
+    keep = max(recipe.train.keep_checkpoints, (recipe.train.steps - min(points)) // every + 1 + KEEP_MARGIN)
+    return recipe.model_copy(update={"train": recipe.train.model_copy(update={"keep_checkpoints": keep})})
+
+
+def partial_record(run: Path, at: int, per_update: int) -> dict | None:
+    """The training record up to `at` of a run that passed update `at` and then stopped on a budget (its
+    train_summary says how far it got; no study_train.json yet), or None: its checkpoint after `at` updates is what
+    the finished run will have, so a curve point is read before the run ends."""
+    import json
+
+    summary, done = run / "train_summary.json", run / "study_train.json"
+    ckpt = run / "checkpoints" / f"step_{at:07d}" / "model" / "config.json"
+    if done.is_file() or not summary.is_file() or not ckpt.is_file():
+        return None
+    s = json.loads(summary.read_text())
+    if s["updates"] < at:
+        return None
+    return {"updates": s["updates"], "passes": s["updates"] * per_update, "train_seconds": s["train_seconds"]}
 
 
 def curve_model(run: Path, at: int, record: dict) -> tuple[Path, dict]:
