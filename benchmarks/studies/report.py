@@ -88,20 +88,29 @@ def _curve_table(table) -> list[str]:
 
 def curve_plot(table, path: str | Path) -> None:
     """Accuracy (mean ± sd over seeds) against denoiser passes along each run: the lines of `curves`."""
+    lines = [(arm, [(p, 100 * m, 100 * (sd or 0)) for p, m, sd, _ in pts]) for arm, pts in curves(table).items()]
+    _errorbar_plot(lines, path, "denoiser passes (updates x W)",
+                   f"{table.plan.name}: learning curves at {table.plan.evals[0]}", log_x=False)
+
+
+def _errorbar_plot(lines, path, xlabel: str, title: str, log_x: bool) -> None:
+    """Accuracy lines (label, [(x, accuracy %, sd %)]) with error bars, written to `path`."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    for arm, pts in curves(table).items():
-        x, y, e = zip(*((p, 100 * m, 100 * (sd or 0)) for p, m, sd, _ in pts))
-        ax.errorbar(x, y, yerr=e, marker="o", capsize=3, label=arm)
-    ax.set_xlabel("denoiser passes (updates x W)")
+    for label, pts in lines:
+        x, y, e = zip(*pts)
+        ax.errorbar(x, y, yerr=e, marker="o", capsize=3, label=label)
+    if log_x:
+        ax.set_xscale("log")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("accuracy (%), mean ± sd over seeds")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    ax.set_title(f"{table.plan.name}: learning curves at {table.plan.evals[0]}")
+    ax.set_title(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -254,22 +263,5 @@ def series(table) -> list[tuple[str, list[tuple[float, float, float]]]]:
 
 def plot(table, path: str | Path) -> None:
     """Accuracy (mean ± sd over seeds) against mean NFE: the lines of `series`."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
     keys = [k for k in table.plan.evals if "/" not in k]
-    for label, pts in series(table):
-        x, y, e = zip(*pts)
-        ax.errorbar(x, y, yerr=e, marker="o", capsize=3, label=label)
-    ax.set_xscale("log")
-    ax.set_xlabel("mean NFE per problem")
-    ax.set_ylabel("accuracy (%), mean ± sd over seeds")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    ax.set_title(f"{table.plan.name}: {', '.join(keys)}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _errorbar_plot(series(table), path, "mean NFE per problem", f"{table.plan.name}: {', '.join(keys)}", log_x=True)
