@@ -83,9 +83,9 @@ def run(plan_path, json_path=None, runs=None, seeds=None, arms=None, max_minutes
         return 0
     from studies.seeded import stopped_reason
 
-    if stopped_reason(plan_path):
-        print(f"{plan.name} is {stopped_reason(plan_path)}; its missing cells will not run (the plan's header says "
-              "why)", flush=True)
+    reason = stopped_reason(plan_path)
+    if reason:
+        print(f"{plan.name} is {reason}; its missing cells will not run (the plan's header says why)", flush=True)
         return 0
     for name in dict.fromkeys(spec["init"] for spec in plan.settings["arm_specs"].values() if spec.get("init")):
         path = pumba_study.start_path(plan, name)
