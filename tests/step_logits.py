@@ -1,10 +1,11 @@
 """What each step of a masked decoder computes, per row: the numbers its equivalence tests compare (issue 18 item 3).
 
-`StepLogits` wraps the reveal step of `dlm.sampling.masked` (every decoder, cached or not, calls it once per forward
-pass with the logits of its window) and keeps, per canvas row, one dict per step: offset of each eligible position
-from the end of the canvas -> its log-probabilities [V]. Two decoders are equivalent when every row takes the same
-steps (its NFE) with the same log-probabilities at the same positions, within float tolerance; the argmax tokens
-alone would hide a wrong position id or a stale key that moves the logits without flipping a pick.
+`StepLogits` wraps the step of the masked decoders (`dlm.sampling.steps.Step`: every decoder, cached or not, calls
+it once per forward pass with the logits of its window) and keeps, per canvas row, one dict per step: offset of each
+eligible position from the end of the canvas -> its log-probabilities [V]. Two decoders are equivalent when every
+row takes the same steps (its NFE) with the same log-probabilities at the same positions, within float tolerance;
+the argmax tokens alone would hide a wrong position id or a stale key that moves the logits without flipping a
+pick.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections import defaultdict
 
 import torch
 
-import dlm.sampling.masked as masked
+from dlm.sampling.steps import Step
 
 TOL = dict(rtol=1e-4, atol=1e-4)
 
@@ -21,18 +22,20 @@ TOL = dict(rtol=1e-4, atol=1e-4)
 class StepLogits:
     def __init__(self, monkeypatch):
         self.rows: dict[int, list[dict[int, torch.Tensor]]] = defaultdict(list)
-        real = masked.reveal_step
+        real = Step.__call__
 
-        def record(canvas, rows, start, logits, eligible, **kwargs):
+        def record(step, canvas, rows, start, logits, region):
+            out = real(step, canvas, rows, start, logits, region)
+            eligible = out[3]  # what the step could reveal (its rules applied)
             L = canvas.shape[1]
             index = torch.arange(canvas.shape[0])[rows]
             log_probs = torch.log_softmax(logits.float(), dim=-1)
             for r, b in enumerate(index.tolist()):
                 at = eligible[r].nonzero().squeeze(1).tolist()
                 self.rows[b].append({start + i - L: log_probs[r, i].clone() for i in at})
-            return real(canvas, rows, start, logits, eligible, **kwargs)
+            return out
 
-        monkeypatch.setattr(masked, "reveal_step", record)
+        monkeypatch.setattr(Step, "__call__", record)
 
     def take(self) -> dict[int, list[dict[int, torch.Tensor]]]:
         """The steps recorded so far (per row), and start afresh for the next generation."""

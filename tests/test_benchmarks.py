@@ -119,3 +119,41 @@ def test_before_after_pairs_rounds_and_refuses_a_wrong_flag_before_running(monke
     with pytest.raises(SystemExit):
         before_after.main()
     assert ran == []
+
+
+def test_decoding_frontier_measures_every_decoder_per_seed_resumes_and_reports(tiny_tokenizer, tmp_path):
+    """benchmarks/decoding_frontier.py on tiny saved models of two seeds: every decoder's cells (and the AR's) are in
+    the table with per-problem outcomes, a rerun measures nothing new, and the doc and plot are written."""
+    import decoding_frontier as frontier
+    from tests.conftest import tiny_model
+
+    tok = tiny_tokenizer
+    ids = {"mask_token_id": tok.mask_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
+    for seed in (0, 1):
+        for name, model in (("ar", tiny_model(len(tok), seed=seed, **ids)),
+                            ("block", tiny_model(len(tok), "block_causal", "masked", label_shift=True, seed=seed,
+                                                 block_size=8, **ids))):
+            model.save_pretrained(tmp_path / f"seed{seed}" / name)
+            tok.save_pretrained(tmp_path / f"seed{seed}" / name)
+    data = tmp_path / "data"
+    data.mkdir()
+    for split in ("test", "test_unseen"):
+        (data / f"{split}.jsonl").write_text("".join(json.dumps({"prompt": f"Ann has {i} cats.", "answer": i}) + "\n"
+                                                     for i in range(3)))
+    out, doc = tmp_path / "frontier.json", tmp_path / "frontier.md"
+    argv = ["--seeds", "0,1", "--block", str(tmp_path / "seed{seed}" / "block"), "--ar",
+            str(tmp_path / "seed{seed}" / "ar"), "--data", str(data), "--easy", str(tmp_path / "easy"), "--n", "3",
+            "--max-new-tokens", "16", "--out", str(out)]
+    frontier.main(argv)
+    rows = json.loads(out.read_text())["rows"]
+    cells = len(frontier.DATASETS) + 3  # fp32 batch 16 on each set, and batch 1 / bf16 on medium
+    assert len(rows) == 2 * cells * (len(frontier.DECODERS) + 1)
+    assert all(len(r["correct"]) == 3 and len(r["nfe"]) == 3 and r["tpf"] > 0 for r in rows)
+    assert all(r["tpf"] == pytest.approx(1.0) for r in rows if r["decoder"] == "ar")
+    assert (tmp_path / "easy" / "test.jsonl").is_file()
+    frontier.main(argv + ["--doc", str(doc), "--plot", str(tmp_path / "f.png")])  # resumed: nothing new
+    assert len(json.loads(out.read_text())["rows"]) == len(rows)
+    text = doc.read_text()
+    assert "<!-- frontier:begin -->" in text and "### medium" in text and "The goals" in text
+    assert "| reuse2 | approx. | 2 |" in text
+    assert (tmp_path / "f.png").stat().st_size > 10_000

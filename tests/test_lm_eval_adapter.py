@@ -370,3 +370,20 @@ def test_rolling_loglikelihood_over_several_windows_is_the_sum_of_their_likeliho
     from dlm.evaluation.elbo import ar_loglikelihood
 
     assert total == pytest.approx(sum(s for s, _ in ar_loglikelihood(lm.model, windows, batch_size=1)), abs=1e-4)
+
+
+def test_the_decoders_rules_are_model_args(saved, spy):
+    """`dlm lm-eval --model_args ...,sub_block_size=2,eos_confidence=0.5,nfe_budget=3,remask_threshold=0.3` reach the
+    masked sampler of generate_until (issue 45's decoders are sampling options, parsed like any other)."""
+    lm = DlmLM(saved["masked"], batch_size=2, block_size=4, sub_block_size="2", eos_confidence="0.5", nfe_budget=3,
+               remask_threshold=0.3, edit_budget=2, tau=0.5)
+    assert (lm.options.sub_block_size, lm.options.eos_confidence, lm.options.nfe_budget) == (2, 0.5, 3)
+    out = lm.generate_until([request("g", i, (p, {"max_gen_toks": 8})) for i, p in enumerate(["Mia has", "two"])],
+                            disable_tqdm=True)
+    assert len(out) == 2 and spy
+    assert all((c["sub_block_size"], c["eos_confidence"], c["nfe_budget"], c["remask_threshold"], c["edit_budget"])
+               == (2, 0.5, 3, 0.3, 2) for c in spy)
+    # the budget: 3 passes per row, plus one per later sub-block (2 blocks of 2 sub-blocks)
+    assert lm.stats[("g", "generate_until")]["nfe"] <= 2 * (3 + 3)
+    with pytest.raises(DlmError, match="sub_block_size must be an integer >= 1"):
+        DlmLM(saved["masked"], sub_block_size=0)

@@ -33,8 +33,13 @@ REQUESTS = {
     "cached": [{"u": 1, "block_size": 4, "cache": "prefix"}, {"u": 3, "block_size": 4, "cache": "prefix"},
                {"tau": 0.3, "block_size": 4, "cache": "dual"}, {"u": 1, "block_size": 6, "cache": "prefix"},
                {"u": 1, "block_size": 4, "cache": "prefix"}],
+    # the decoders' extra rules (sub-blocks, EOS-aware stopping, the NFE budget, in-block reuse, remasking) decode as
+    # whole batches too
+    "rules": [{"tau": 0.3, "sub_block_size": 2}, {"tau": 0.3, "eos_confidence": 0.2}, {"u": 1, "nfe_budget": 3},
+              {"u": 1, "refresh_every": 2}, {"tau": 0.3, "remask_threshold": 0.3}, {"tau": 0.3, "sub_block_size": 2}],
 }
-MODEL = {"masked": "masked", "block": "block", "cached": "masked"}
+MODEL = {"masked": "masked", "block": "block", "cached": "masked", "rules": "block"}
+RULES = ("sub_block_size", "refresh_every", "remask_threshold", "eos_confidence", "nfe_budget")
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +79,7 @@ def keys(bodies: list[dict]) -> int:
 
 
 @pytest.mark.parametrize("case,continuous", [("masked", True), ("masked", False), ("block", True), ("block", False),
-                                             ("cached", True)])
+                                             ("cached", True), ("rules", True)])
 def test_requests_with_different_options_get_their_solo_answers(engines, case, continuous):
     engine, bodies = engines[MODEL[case]], bodies_of(case)
     together, stats = decode(engine, bodies, continuous)
@@ -86,7 +91,8 @@ def test_requests_with_different_options_get_their_solo_answers(engines, case, c
                                                                                       else {})}], continuous)[0][0]
                 for b in bodies]
     assert as_first != alone
-    whole = [b for b in bodies if not continuous or "cache" in b or b.get("kv_cache") is False]
+    whole = [b for b in bodies if not continuous or "cache" in b or b.get("kv_cache") is False
+             or any(rule in b for rule in RULES)]
     assert stats["batches"] == keys(whole)  # same options and max_tokens share a whole batch, no others do
     if continuous and len(whole) < len(bodies):
         assert stats["largest_batch"] >= len(bodies) - len(whole)  # the row-form requests shared steps

@@ -29,7 +29,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
 from dlm.modeling.blocks import block_causal_mask, canvas_blocks
-from dlm.sampling.steps import Progress
+from dlm.sampling.steps import Progress, first_index
 
 
 class InPlaceLayer(DynamicLayer):
@@ -106,14 +106,21 @@ def _block_logits(raw: torch.Tensor, boundary: torch.Tensor | None, width: int) 
 
 
 @torch.inference_mode()
-def decode_block_causal(model, canvas, attention, positions, P, block_size, step, eos_id, mask_id, trace):
+def decode_block_causal(model, canvas, attention, positions, P, block_size, step, eos_id, mask_id, trace,
+                        refresh_every: int | None = None):
     """Denoise canvas[:, P:] (whole blocks) of a block-causal model in place with a KV cache over finished blocks;
-    returns the NFE per row. Same tokens, NFE and carry as `masked.decode(..., block_causal=True)`."""
+    returns the NFE per row. Same tokens, NFE and carry as `masked.decode(..., block_causal=True)`. `step` builds the
+    step (`steps.Step`) from the decoder's Progress; with `refresh_every` the steps after a block's first reuse keys
+    and values inside the block (`_reuse_steps`, an approximation)."""
     B, L = canvas.shape
     device, spec, dtype = canvas.device, model.spec, next(model.parameters()).dtype
     uses_carry = bool(spec.carry)
+    if refresh_every is not None and uses_carry:
+        raise ValueError("refresh_every (in-block key/value reuse) is not defined for a model with a carry: the carry "
+                         "of a position not recomputed would be stale too")
     blocks = canvas_blocks(P, L - P, block_size, B, device)
     progress = Progress(canvas, P, eos_id, mask_id, trace)
+    step = step(progress, attention, P, block_size)
     # the clean keys/values per layer cached so far, and the rows they hold
     cached: tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor] | None = None
     for s in range(P, L, block_size):
@@ -134,16 +141,23 @@ def decode_block_causal(model, canvas, attention, positions, P, block_size, step
         carry = torch.zeros(len(active), e - c, model.config.hidden_size, device=device, dtype=dtype) \
             if uses_carry else None  # zero at a block's first step
         raw, hidden = _forward(model, canvas[active, c:e], inputs, carry, noised[:, c:] if uses_carry else None)
+        block_kv = [(k[:, :, s:e], v[:, :, s:e]) for k, v in _tensors(cache)] if refresh_every else None
         cache.crop(s - e)  # back to the clean part (a negative count removes that many positions)
         prefix = _tensors(cache)
         cached = (prefix, active)
         boundary = raw[:, 0] if spec.label_shift else None  # raw[:, i] is the output at position c + first + i
+        logits = _block_logits(raw[:, s - c - first :], boundary, block_size)
+        whole = torch.ones(len(active), block_size, dtype=torch.bool, device=device)
+        masked_then = canvas[active, s:e] == mask_id  # the block as the pass saw it
+        reveal, confidence, proposal, eligible = step(canvas, active, s, logits, whole)
+        progress.record(active, s, reveal, confidence, eligible, proposal)
+        if refresh_every is not None:
+            _reuse_steps(model, canvas, attention, positions, s, e, active, prefix, block_kv, masked_then, boundary,
+                         step, progress, refresh_every, mask_id, dtype)
+            continue
         carry = hidden[:, s - c :] if uses_carry else None
-        rows, logits, step_cache = active, _block_logits(raw[:, s - c - first :], boundary, block_size), None
+        rows, step_cache = active, None
         while True:
-            eligible = canvas[rows, s:e] == mask_id
-            reveal, confidence, proposal = step(canvas, rows, s, logits, eligible)
-            progress.record(rows, s, reveal, confidence, eligible, proposal)
             local = progress.working(rows, s, e)  # the rows that take another step on this block
             if local is None:
                 break
@@ -160,10 +174,90 @@ def decode_block_causal(model, canvas, attention, positions, P, block_size, step
                 boundary = boundary[local] if boundary is not None else None
                 carry = carry[local] if carry is not None else None  # not None exactly when uses_carry
                 step_cache.select(local)
+            if step.dropped:  # an EOS cut moved: the keys after it leave the rows' mask
+                step_mask = block_causal_mask(blocks[rows, s:e], in_block, blocks[rows, :e], noised[: len(rows)],
+                                              attention[rows, :e], dtype)
             inputs = dict(attention_mask=step_mask, position_ids=step_positions, cache=step_cache, use_cache=True)
             raw, carry = _forward(model, canvas[rows, s:e], inputs, carry, in_block if uses_carry else None)
             logits = _block_logits(raw, boundary, block_size)
+            reveal, confidence, proposal, eligible = step(canvas, rows, s, logits, whole[: len(rows)])
+            progress.record(rows, s, reveal, confidence, eligible, proposal)
     return progress.nfe
+
+
+def _reuse_steps(model, canvas, attention, positions, s, e, active, prefix, block_kv, masked_then, boundary, step,
+                 progress, refresh_every: int, mask_id: int, dtype):
+    """The steps after a block's first with keys and values reused inside the block (APPROXIMATE; dKV-Cache,
+    Fast-dLLM v2's sub-block cache). Per row, a step is a *refresh* when `refresh_every` steps have passed since the
+    row's last one or its current sub-block changed: it computes the whole block, as the exact decoder does, and keeps
+    the block's keys and values. Any other step computes only the positions masked at the row's last refresh, in its
+    current sub-block (and under label shift the position before each, whose output predicts it), against the clean
+    context and the kept keys and values of the block's other positions: those of tokens decoded by then are stale
+    only in their context, a later sub-block's masks are exact. With refresh_every = 1 every step is a refresh (the
+    exact decoder). Rows refresh on their own schedule: a row's result does not depend on its batch."""
+    W, device, label_shift = e - s, canvas.device, model.spec.label_shift
+    Kp = prefix[0][0].shape[2]
+    # one buffer per layer: [clean context | the block as last refreshed | this step's queries]
+    step_cache = StepCache([(torch.cat([k, bk], 2), torch.cat([v, bv], 2)) for (k, v), (bk, bv) in
+                            zip(prefix, block_kv)], W)
+    block_index = torch.arange(W, device=device)
+    rows = active
+    since = torch.ones(len(rows), dtype=torch.long, device=device)  # steps since each row's last refresh
+    fresh_sub = _sub_block(step, masked_then, W)  # the sub-block each row's last refresh was in
+    while True:
+        local = progress.working(rows, s, e)
+        if local is None:
+            break
+        if len(local) < len(rows):
+            rows, since, fresh_sub, masked_then = rows[local], since[local], fresh_sub[local], masked_then[local]
+            boundary = boundary[local] if boundary is not None else None
+            step_cache.select(local)
+        window = canvas[rows, s:e]
+        sub = _sub_block(step, window == mask_id, W)
+        refresh = (since >= refresh_every) | (sub != fresh_sub)
+        in_sub = (block_index[None, :] // (step.sub or W)) == sub[:, None] if step.sub else \
+            torch.ones_like(masked_then)
+        valid = attention[rows, s:e].bool()
+        targets = torch.where(refresh[:, None], valid, masked_then & in_sub & valid)  # positions whose logits are read
+        computed = targets.clone()
+        if label_shift:  # the output before a position predicts it; block position 0's comes from the first pass
+            computed[:, :-1] |= targets[:, 1:]
+        computed |= refresh[:, None]
+        Q = int(computed.sum(-1).max())
+        order = torch.sort((~computed).int(), dim=-1, stable=True).indices[:, :Q]  # each row's computed positions first
+        real = computed.gather(1, order)  # False: padding queries
+        ids = window.gather(1, order)
+        pos = positions[rows, s:e].gather(1, order)
+        keys_valid = torch.cat([attention[rows, :s].bool(), valid & ~computed, real], 1)
+        mask = _padding_mask(keys_valid, Q, dtype)
+        raw = model(ids, attention_mask=mask, position_ids=pos, cache=step_cache, use_cache=True, align=False)
+        logits = raw.new_zeros(len(rows), W, raw.shape[-1])
+        target_at = order + 1 if label_shift else order  # the block position each query's output predicts
+        keep = real & (target_at < W)
+        r, j = keep.nonzero(as_tuple=True)
+        logits[r, target_at[r, j]] = raw[r, j]
+        if label_shift:
+            logits[:, 0] = boundary
+        if refresh.any():  # the refreshed rows' block keys and values, scattered back to their block columns
+            for layer in step_cache.in_place:
+                for buffer in (layer.keys, layer.values):
+                    new = buffer[:, :, Kp + W : Kp + W + Q]
+                    rr, jj = (refresh[:, None] & real).nonzero(as_tuple=True)
+                    buffer[rr, :, Kp + order[rr, jj]] = new[rr, :, jj]
+        masked_then = torch.where(refresh[:, None], window == mask_id, masked_then)
+        fresh_sub = torch.where(refresh, sub, fresh_sub)
+        since = torch.where(refresh, 1, since + 1)
+        whole = torch.ones(len(rows), W, dtype=torch.bool, device=device)
+        reveal, confidence, proposal, eligible = step(canvas, rows, s, logits, whole)
+        progress.record(rows, s, reveal, confidence, eligible, proposal)
+
+
+def _sub_block(step, masked: torch.Tensor, W: int) -> torch.Tensor:
+    """[R]: the index (within the block) of each row's current sub-block, the first with a masked position (`masked`
+    [R, W]), as `Step.eligible` reads it; 0 without sub-blocks."""
+    if not step.sub:
+        return torch.zeros(masked.shape[0], dtype=torch.long, device=masked.device)
+    return first_index(masked).clamp(max=W - 1) // step.sub
 
 
 def _forward(model, ids, inputs, carry, in_block):
@@ -181,6 +275,7 @@ def decode_fast_dllm(model, canvas, attention, positions, P, block_size, step, e
     label_shift = model.spec.label_shift
     dtype = next(model.parameters()).dtype
     progress = Progress(canvas, P, eos_id, mask_id, trace)
+    step = step(progress, attention, P, block_size)
     for s in range(P, L, block_size):
         e = min(s + block_size, L)
         active = (~progress.done).nonzero().squeeze(1)
@@ -197,9 +292,9 @@ def decode_fast_dllm(model, canvas, attention, positions, P, block_size, step, e
         kept_valid = attention[:, :s] if mode == "prefix" else torch.cat([attention[:, :s], attention[:, e:]], 1)
         end = L if mode == "prefix" else e  # the positions each later step recomputes: s..end
         rows, logits, step_cache = active, _block_logits(raw[:, s:], boundary, e - s), None
+        whole = torch.ones(len(active), e - s, dtype=torch.bool, device=canvas.device)
         while True:
-            eligible = canvas[rows, s:e] == mask_id
-            reveal, confidence, proposal = step(canvas, rows, s, logits, eligible)
+            reveal, confidence, proposal, eligible = step(canvas, rows, s, logits, whole[: len(rows)])
             progress.record(rows, s, reveal, confidence, eligible, proposal)
             local = progress.working(rows, s, e)
             if local is None:
@@ -211,6 +306,10 @@ def decode_fast_dllm(model, canvas, attention, positions, P, block_size, step, e
                 rows, step_mask = rows[local], step_mask[local]
                 boundary = boundary[local] if boundary is not None else None
                 step_cache.select(local)
+            if step.dropped:  # an EOS cut moved: the keys after it leave the rows' mask
+                valid = attention[rows, :s] if mode == "prefix" else \
+                    torch.cat([attention[rows, :s], attention[rows, e:]], 1)
+                step_mask = _padding_mask(torch.cat([valid, attention[rows, s:end]], 1), end - s, dtype)
             raw = model(canvas[rows, s:end], attention_mask=step_mask, position_ids=positions[rows, s:end],
                         cache=step_cache, use_cache=True, align=False)
             logits = _block_logits(raw, boundary, e - s)

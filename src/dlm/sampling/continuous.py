@@ -29,6 +29,7 @@ from dlm.modeling.blocks import block_causal_allowed, canvas_blocks, num_blocks
 from dlm.sampling.autoregressive import pick_tokens
 from dlm.sampling.block_cache import _block_logits
 from dlm.sampling.continuous_batch import Batch
+from dlm.sampling.options import DECODER_RULES
 from dlm.sampling.steps import finished, first_index, make_rule, reveal_step
 
 __all__ = ["Batch", "Segment", "Row", "MaskedRow", "BlockRow", "ARRow", "has_rows", "make_row"]
@@ -244,12 +245,15 @@ class ARRow(Row):
 
 def has_rows(model, options) -> bool:
     """Whether `options` decode row by row on this model: not simplex models (TESS 2's reverse process draws its noise
-    for the whole batch), not Fast-dLLM's approximate caches, not a block-causal model without its KV cache (the
+    for the whole batch), not Fast-dLLM's approximate caches, not the decoders' extra rules (sub-blocks, remasking,
+    in-block reuse, EOS-aware stopping, an NFE budget: `steps.Step`), not a block-causal model without its KV cache (the
     uncached reference); those decode as a whole batch."""
     spec = model.spec
     if spec.family == "autoregressive":
         return True
     if spec.family != "masked" or options.cache is not None:
+        return False
+    if any(getattr(options, rule) is not None for rule in DECODER_RULES):  # the whole-batch decoders' rules
         return False
     return spec.attention != "block_causal" or options.kv_cache
 

@@ -23,7 +23,7 @@ from dlm.data.canvas import left_pad
 from dlm.errors import OptionsError
 from dlm.modeling.blocks import block_causal_mask, canvas_blocks, num_blocks
 from dlm.sampling import block_cache
-from dlm.sampling.steps import Progress, first_index, make_rule, reveal_step
+from dlm.sampling.steps import Progress, Step, first_index, make_rule
 
 
 @dataclass
@@ -54,6 +54,12 @@ def generate(
     kv_cache: bool = True,
     cache: str | None = None,
     trace: list | None = None,
+    sub_block_size: int | None = None,
+    refresh_every: int | None = None,
+    remask_threshold: float | None = None,
+    edit_budget: int = 4,
+    eos_confidence: float | None = None,
+    nfe_budget: int | None = None,
 ) -> MaskedGeneration:
     """Reveal `gen_length` masked positions after each prompt until each row is finished (PUMBA §2).
 
@@ -64,7 +70,12 @@ def generate(
     A block-causal model decodes block by block (`block_size` defaults to the model's), its response rounded up to
     whole blocks; `kv_cache` (default) reuses finished blocks' keys and values, exactly (`block_cache`). `cache`
     ("prefix" or "dual", full-canvas models with a `block_size`) selects Fast-dLLM's approximate caches. `trace`: a
-    list to append each step to as it happens (a live view, e.g. `dlm serve`); implies recording."""
+    list to append each step to as it happens (a live view, e.g. `dlm serve`); implies recording.
+
+    Decoding rules beyond the policy (`dlm.sampling.steps.Step`, exact unless said): `sub_block_size`,
+    `remask_threshold` with `edit_budget`, `eos_confidence` (EOS-aware stopping) and `nfe_budget` (a per-row budget);
+    `refresh_every` (block-causal models with the KV cache) reuses keys and values inside the current block between
+    recomputations, an approximation (`block_cache.decode_block_causal`)."""
     rule = make_rule(policy, reveal_count, confidence_threshold)
     block_causal, block_size = _check_layout(model, block_size, mask_id, eos_id, cache)
     if block_causal:
@@ -72,9 +83,23 @@ def generate(
     canvas, attention, positions, P = _canvas(model, prompts, gen_length, pad_id, mask_id)
     if trace is None:
         trace = [] if return_trace else None
-    step = partial(reveal_step, rule=rule, mask_id=mask_id, temperature=temperature, generator=generator)
+    if sub_block_size is not None and block_size is None and gen_length % sub_block_size:
+        raise OptionsError(f"sub_block_size {sub_block_size} must divide the canvas ({gen_length} positions) when "
+                           "there is no block_size")
+    if refresh_every is not None and remask_threshold is not None:
+        raise OptionsError("remask_threshold reads every committed token's probability, which a step that reuses keys "
+                           "and values (refresh_every) does not compute; choose one")
+    if refresh_every is not None and not (block_causal and kv_cache):
+        raise OptionsError("refresh_every (in-block key/value reuse) is for block-causal models decoded with their KV "
+                           "cache")
+    step = partial(Step, rule, mask_id, eos_id, temperature, generator, sub_block_size=sub_block_size,
+                   max_nfe=nfe_budget, remask_threshold=remask_threshold, edit_budget=edit_budget,
+                   eos_confidence=eos_confidence)
     if (block_causal and kv_cache) or cache is not None:
-        run = block_cache.decode_block_causal if block_causal else partial(block_cache.decode_fast_dllm, mode=cache)
+        if block_causal:
+            run = partial(block_cache.decode_block_causal, refresh_every=refresh_every)
+        else:
+            run = partial(block_cache.decode_fast_dllm, mode=cache)
         nfe = run(model, canvas, attention, positions, P, block_size, step, eos_id, mask_id, trace)
     else:
         nfe = decode(model, canvas, attention, positions, P, block_size, step, eos_id, mask_id, trace,
@@ -130,20 +155,23 @@ def decode(model, canvas, attention, positions, P, block_size, step, eos_id, mas
     block_of = torch.arange(gen_length, device=canvas.device) // (block_size or max(gen_length, 1))
     blocks = canvas_blocks(P, gen_length, block_size, B, canvas.device) if block_causal else None
     progress = Progress(canvas, P, eos_id, mask_id, trace)
+    step = step(progress, attention, P, block_size)
     done = progress.done
     uses_carry = bool(getattr(getattr(model, "spec", None), "carry", False))
     dtype = next(model.parameters()).dtype
     # the carry is kept in the model's dtype, as the block KV cache keeps it: its LayerNorm reads it in that dtype
     carry = torch.zeros(B, L, model.config.hidden_size, device=canvas.device, dtype=dtype) if uses_carry else None
     last_block = torch.zeros(B, dtype=torch.long, device=canvas.device)
+    narrow = not uses_carry and step.eta is not None  # positions after every row's EOS cut are not computed
     while len(rows := (~done).nonzero().squeeze(1)):  # the step's one host sync: which rows still work
         sub = slice(None) if len(rows) == B else rows  # finished rows are not computed again
-        masked = canvas[sub, P:] == mask_id
-        current = block_of[first_index(masked).clamp(max=gen_length - 1)]  # the first block with a mask
-        inputs = dict(attention_mask=attention[sub], position_ids=positions[sub])
+        end = min(int(step.cut[sub].max()) + 1, L) if narrow else L
+        masked = canvas[sub, P:end] == mask_id
+        current = block_of[first_index(masked).clamp(max=end - P - 1)]  # the first block with a mask
+        inputs = dict(attention_mask=attention[sub, :end], position_ids=positions[sub, :end])
         if blocks is not None:  # block-causal: response block k has block id k + 1; it and every later block are noised
-            inputs["attention_mask"] = block_causal_mask(blocks[sub], blocks[sub] > current[:, None],
-                                                         k_valid=attention[sub], dtype=dtype)
+            inputs["attention_mask"] = block_causal_mask(blocks[sub, :end], blocks[sub, :end] > current[:, None],
+                                                         k_valid=attention[sub, :end], dtype=dtype)
         if carry is not None:  # uses_carry
             if reset_carry_per_block or block_causal:
                 carry[sub] = carry[sub] * (current == last_block[sub])[:, None, None].to(carry.dtype)
@@ -156,8 +184,8 @@ def decode(model, canvas, attention, positions, P, block_size, step, eos_id, mas
                 logits, hidden = model(canvas[sub], carry=carry[sub], return_hidden=True, **inputs)
             carry[sub] = hidden
         else:
-            logits = model(canvas[sub], **inputs)
-        eligible = masked & (block_of[None, :] == current[:, None])
-        reveal, confidence, proposal = step(canvas, sub, P, logits[:, P:], eligible)
+            logits = model(canvas[sub, :end], **inputs)
+        region = block_of[None, : end - P] == current[:, None]
+        reveal, confidence, proposal, eligible = step(canvas, sub, P, logits[:, P:], region)
         progress.record(sub, P, reveal, confidence, eligible, proposal)
     return progress.nfe
