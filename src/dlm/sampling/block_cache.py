@@ -187,14 +187,16 @@ def decode_block_causal(model, canvas, attention, positions, P, block_size, step
 
 def _reuse_steps(model, canvas, attention, positions, s, e, active, prefix, block_kv, masked_then, boundary, step,
                  progress, refresh_every: int, mask_id: int, dtype):
-    """The steps after a block's first with keys and values reused inside the block (APPROXIMATE; dKV-Cache,
-    Fast-dLLM v2's sub-block cache). Per row, a step is a *refresh* when `refresh_every` steps have passed since the
-    row's last one or its current sub-block changed: it computes the whole block, as the exact decoder does, and keeps
-    the block's keys and values. Any other step computes only the positions masked at the row's last refresh, in its
-    current sub-block (and under label shift the position before each, whose output predicts it), against the clean
-    context and the kept keys and values of the block's other positions: those of tokens decoded by then are stale
-    only in their context, a later sub-block's masks are exact. With refresh_every = 1 every step is a refresh (the
-    exact decoder). Rows refresh on their own schedule: a row's result does not depend on its batch."""
+    """The steps after a block's first with keys and values reused inside the block (APPROXIMATE; dKV-Cache's delayed
+    caching, Fast-dLLM v2's sub-block cache). Per row, a step is a *refresh* when `refresh_every` steps have passed
+    since the row's last one or its current sub-block changed: it computes the whole block, as the exact decoder does.
+    Any other step computes only the positions that were masked at the row's previous step (in its current sub-block):
+    those still masked and those it just revealed (so a token's keys and values are computed once with the token in
+    place, one step after it was decoded), and under label shift the position before each (whose output predicts it);
+    they attend the clean context and the kept keys and values of the block's other positions: tokens decoded earlier
+    (stale only in their context) and a later sub-block's masks. Every computed position's keys and values replace the
+    kept ones. With refresh_every = 1 every step is a refresh (the exact decoder). Rows refresh on their own schedule:
+    a row's result does not depend on its batch."""
     W, device, label_shift = e - s, canvas.device, model.spec.label_shift
     Kp = prefix[0][0].shape[2]
     # one buffer per layer: [clean context | the block as last refreshed | this step's queries]
@@ -238,13 +240,11 @@ def _reuse_steps(model, canvas, attention, positions, s, e, active, prefix, bloc
         logits[r, target_at[r, j]] = raw[r, j]
         if label_shift:
             logits[:, 0] = boundary
-        if refresh.any():  # the refreshed rows' block keys and values, scattered back to their block columns
-            for layer in step_cache.in_place:
-                for buffer in (layer.keys, layer.values):
-                    new = buffer[:, :, Kp + W : Kp + W + Q]
-                    rr, jj = (refresh[:, None] & real).nonzero(as_tuple=True)
-                    buffer[rr, :, Kp + order[rr, jj]] = new[rr, :, jj]
-        masked_then = torch.where(refresh[:, None], window == mask_id, masked_then)
+        rr, jj = real.nonzero(as_tuple=True)  # the computed keys and values replace the kept ones
+        for layer in step_cache.in_place:
+            for buffer in (layer.keys, layer.values):
+                buffer[rr, :, Kp + order[rr, jj]] = buffer[rr, :, Kp + W + jj]
+        masked_then = window == mask_id  # this step's input: what the next step computes
         fresh_sub = torch.where(refresh, sub, fresh_sub)
         since = torch.where(refresh, 1, since + 1)
         whole = torch.ones(len(rows), W, dtype=torch.bool, device=device)
