@@ -74,8 +74,8 @@ def generate(
 
     Decoding rules beyond the policy (`dlm.sampling.steps.Step`, exact unless said): `sub_block_size`,
     `remask_threshold` with `edit_budget`, `eos_confidence` (EOS-aware stopping) and `nfe_budget` (a per-row budget);
-    `refresh_every` (block-causal models with the KV cache) reuses keys and values inside the current block between
-    recomputations, an approximation (`block_cache.decode_block_causal`)."""
+    `refresh_every` (block-causal models with the KV cache; not read on others) reuses keys and values inside the
+    current block between recomputations, an approximation (`block_cache.decode_block_causal`)."""
     rule = make_rule(policy, reveal_count, confidence_threshold)
     block_causal, block_size = _check_layout(model, block_size, mask_id, eos_id, cache)
     if block_causal:
@@ -89,9 +89,10 @@ def generate(
     if refresh_every is not None and remask_threshold is not None:
         raise OptionsError("remask_threshold reads every committed token's probability, which a step that reuses keys "
                            "and values (refresh_every) does not compute; choose one")
-    if refresh_every is not None and not (block_causal and kv_cache):
-        raise OptionsError("refresh_every (in-block key/value reuse) is for block-causal models decoded with their KV "
-                           "cache")
+    if not block_causal:
+        refresh_every = None  # not read on a full-canvas model (MaskedOptions.in_effect), like kv_cache
+    elif refresh_every is not None and not kv_cache:
+        raise OptionsError("refresh_every (in-block key/value reuse) reuses the KV cache; it needs kv_cache on")
     step = partial(Step, rule, mask_id, eos_id, temperature, generator, sub_block_size=sub_block_size,
                    max_nfe=nfe_budget, remask_threshold=remask_threshold, edit_budget=edit_budget,
                    eos_confidence=eos_confidence)

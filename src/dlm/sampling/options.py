@@ -167,11 +167,11 @@ class MaskedOptions(SamplingOptions):
         "in the first sub-block with a mask (Fast-dLLM v2; exact: a rule, no approximation); it must divide the "
         "block size; unset: the whole block")
     refresh_every: Count | None = Field(
-        None, description="block-causal models with kv_cache: APPROXIMATE in-block key/value reuse (dKV-Cache's delayed "
-        "caching, Fast-dLLM v2's sub-block cache): the whole block is recomputed at its first step, at each new "
-        "sub-block and every k-th step; between, a step computes only the positions masked at the previous step (in "
-        "the current sub-block) and reuses the kept keys and values of the block's other positions; 1 = every step "
-        "(exact); unset: exact")
+        None, description="block-causal models with kv_cache: APPROXIMATE in-block key/value reuse (dKV-Cache's "
+        "delayed caching, Fast-dLLM v2's sub-block cache): the whole block is recomputed at its first step, at each "
+        "new sub-block and every k-th step; between, a step computes only the positions masked at the previous step "
+        "(in the current sub-block) and reuses the kept keys and values of the block's other positions; 1 = every "
+        "step (exact); unset: exact")
     remask_threshold: Fraction | None = Field(
         None, description="remasking / token editing: after a step, a token committed at an earlier step of the "
         "current block whose probability under the step's prediction is below this is masked again (the lowest "
