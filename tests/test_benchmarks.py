@@ -141,15 +141,17 @@ def test_decoding_frontier_measures_every_decoder_per_seed_resumes_and_reports(t
         (data / f"{split}.jsonl").write_text("".join(json.dumps({"prompt": f"Ann has {i} cats.", "answer": i}) + "\n"
                                                      for i in range(3)))
     out, doc = tmp_path / "frontier.json", tmp_path / "frontier.md"
-    argv = ["--seeds", "0,1", "--block", str(tmp_path / "seed{seed}" / "block"), "--ar",
-            str(tmp_path / "seed{seed}" / "ar"), "--data", str(data), "--easy", str(tmp_path / "easy"), "--n", "3",
+    models = tmp_path / "seed{seed}"
+    argv = ["--seeds", "0,1", "--block", str(models / "block"), "--ar", str(models / "ar"), "--ar-parent",
+            str(models / "ar"), "--data", str(data), "--easy", str(tmp_path / "easy"), "--n", "3", "--speed-n", "2",
             "--max-new-tokens", "16", "--out", str(out)]
     frontier.main(argv)
     rows = json.loads(out.read_text())["rows"]
     cells = len(frontier.DATASETS) + 3  # fp32 batch 16 on each set, and batch 1 / bf16 on medium
-    assert len(rows) == 2 * cells * (len(frontier.DECODERS) + 1)
-    assert all(len(r["correct"]) == 3 and len(r["nfe"]) == 3 and r["tpf"] > 0 for r in rows)
-    assert all(r["tpf"] == pytest.approx(1.0) for r in rows if r["decoder"] == "ar")
+    assert len(rows) == 2 * cells * (len(frontier.DECODERS) + 2)  # and the two AR baselines
+    assert all(len(r["correct"]) == r["n"] == (2 if r["batch_size"] == 1 or r["dtype"] != "float32" else 3)
+               and len(r["nfe"]) == r["n"] and r["tpf"] > 0 for r in rows)
+    assert all(r["tpf"] == pytest.approx(1.0) for r in rows if r["decoder"] in ("ar", "ar-parent"))
     assert (tmp_path / "easy" / "test.jsonl").is_file()
     frontier.main(argv + ["--doc", str(doc), "--plot", str(tmp_path / "f.png")])  # resumed: nothing new
     assert len(json.loads(out.read_text())["rows"]) == len(rows)
