@@ -132,7 +132,7 @@ def run(args) -> None:
             if not getattr(args, kind):
                 continue
             path = ROOT / getattr(args, kind).replace("{seed}", str(seed))
-            if not (path / "model" / "dlm.json").is_file() and not (path / "dlm.json").is_file():
+            if not ready(path):
                 print(f"seed {seed}: {kind} model {path} is not there yet; skipped", flush=True)
                 continue
             names = [AR_NAMES[kind]] if kind in AR_NAMES else list(DECODERS)
@@ -171,6 +171,13 @@ def run(args) -> None:
                           f"acc {100 * row['accuracy']:5.1f} | TPF {row['tpf']:5.2f} | "
                           f"NFE {row['mean_nfe']:5.1f} | {row['tokens_per_s']:6.0f} tok/s | {wall:6.1f} s", flush=True)
                 del model
+
+
+def ready(path: Path) -> bool:
+    """A model directory, or a run directory whose training has finished (train_summary.json is its last write)."""
+    if (path / "model").is_dir():
+        return (path / "model" / "dlm.json").is_file() and (path / "train_summary.json").is_file()
+    return (path / "dlm.json").is_file()
 
 
 def machine(args) -> str:

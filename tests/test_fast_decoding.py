@@ -257,6 +257,19 @@ def test_reuse_is_exact_on_a_one_layer_model(label_shift, monkeypatch):
                 assert_same_steps(b[row], a[row], f"{rules} k {k} row {row}", tol=dict(rtol=1e-6, atol=1e-6))
 
 
+def test_reuse_batched_equals_one_by_one(monkeypatch):
+    """Rows refresh on their own schedule: a row's tokens, NFE and the log-probabilities it reads (stale keys
+    included) do not depend on its batch."""
+    m, rec = _block_model(label_shift=True, seed=2), StepLogits(monkeypatch)
+    prompts = _prompts((3, 7, 5, 1))
+    eos_id = _eos(m, prompts)
+    for rules in (dict(refresh_every=2), dict(refresh_every=3, sub_block_size=4, eos_confidence=0.05)):
+        args = (m, prompts, 16, eos_id, PAD, MASK)
+        kwargs = dict(policy="threshold", confidence_threshold=0.6, **rules)
+        assert_batched_equals_one_by_one(generate, *args, **kwargs)
+        assert_batched_steps_equal_one_by_one(rec, generate, *args, **kwargs)
+
+
 def _deviation(m, prompts, k, **rules):
     """(max deviation, steps): at every step of the reusing decoder, the largest absolute difference between the
     log-probabilities it read at an eligible position and the exact ones for the same canvas (the exact decoder's
