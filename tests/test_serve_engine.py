@@ -15,7 +15,8 @@ from tests.test_serve import build_models  # noqa: E402
 pytestmark = pytest.mark.usefixtures("one_thread")
 HI = [{"role": "user", "content": "hi"}]
 MASKED = ('{"policy":"top_u","reveal_count":2,"confidence_threshold":0.9,"block_size":null,"kv_cache":true,'
-          '"cache":null,"reset_carry_per_block":false}')
+          '"cache":null,"reset_carry_per_block":false,"sub_block_size":null,"refresh_every":null,'
+          '"remask_threshold":null,"edit_budget":4,"eos_confidence":null,"nfe_budget":null}')
 
 
 @pytest.fixture(scope="module")
