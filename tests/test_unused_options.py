@@ -233,3 +233,21 @@ def test_serve_flags_follow_the_rule(saved, capsys):
     assert e.value.code == 2
     assert capsys.readouterr().err.startswith("dlm serve: --tau (confidence_threshold) is not used by policy top_u")
 
+
+
+def test_the_decoders_rules_are_listed_where_read_and_named_where_not(saved, spy, tmp_path, capsys):
+    """Issue 45's rules are CLI flags like every option: a result row lists the ones set (they are read on every masked
+    model), refresh_every only on a block-causal model; on a full-canvas model it is named as ignored."""
+    from dlm.cli import main
+
+    out = tmp_path / "r.json"
+    main(["eval", str(saved["mdm"]), str(saved["block"]), "--data", str(saved["data"]), "--max-new-tokens", "4",
+          "--sub-block-size", "2", "--eos-confidence", "0.5", "--nfe-budget", "3", "--refresh-every", "2",
+          "--out", str(out)])
+    mdm, block = json.loads(out.read_text())["rows"]
+    for row in (mdm, block):
+        assert (row["sub_block_size"], row["eos_confidence"], row["nfe_budget"]) == (2, 0.5, 3)
+    assert "refresh_every" not in mdm and block["refresh_every"] == 2
+    assert "mdm (masked) ignores refresh_every (not read with these settings on a bidirectional model)" in \
+        capsys.readouterr().out
+    assert [c["sub_block_size"] for c in spy] == [2, 2] and spy[1]["refresh_every"] == 2
