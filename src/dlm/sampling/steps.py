@@ -28,11 +28,16 @@ def make_rule(policy: str, reveal_count: int, confidence_threshold: float):
 def candidates(logits: torch.Tensor, mask_id: int, temperature: float, generator: torch.Generator | None):
     """(confidence [B, G], token [B, G]): argmax at temperature 0, else a sample from softmax(logits / T); the mask
     token is never predicted and the confidence is always the max probability c_i (PUMBA §2)."""
+    return scored_candidates(logits, mask_id, temperature, generator)[:2]
+
+
+def scored_candidates(logits: torch.Tensor, mask_id: int, temperature: float, generator: torch.Generator | None):
+    """`candidates` and the log-probabilities [B, G, V] they came from (fp32, mask token excluded)."""
     confidence, token, log_probs = policies.confidences(logits, mask_id)
     if temperature > 0:
         probs = torch.softmax(log_probs / temperature, dim=-1)
         token = categorical(probs, generator).view(token.shape)
-    return confidence, token
+    return confidence, token, log_probs
 
 
 def first_index(flags: torch.Tensor) -> torch.Tensor:
@@ -161,9 +166,7 @@ class Step:
         W = logits.shape[1]
         window = canvas[rows, start : start + W]
         eligible = self.eligible(window, start, region)
-        confidence, token, log_probs = policies.confidences(logits, self.mask_id)
-        if self.temperature > 0:
-            token = categorical(torch.softmax(log_probs / self.temperature, dim=-1), self.generator).view(token.shape)
+        confidence, token, log_probs = scored_candidates(logits, self.mask_id, self.temperature, self.generator)
         reveal = self.rule(confidence, eligible)
         spent = None
         if self.max_nfe is not None:
