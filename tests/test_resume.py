@@ -79,3 +79,21 @@ def test_cli_extend_to_needs_resume(tmp_path):
     assert proc.returncode != 0
     assert proc.stderr.strip().splitlines()[-1] == "dlm train: --extend-to goes with --resume: it trains an existing " \
                                                    "run further"
+
+
+def test_a_run_recorded_before_a_setting_existed_resumes_at_its_default(tmp_path):
+    """A recipe recorded by an older dlm lacks the settings added since (issue 45's sampler options): read as this
+    version reads it, each counts at its default, so the run resumes; set to something else, it is a difference."""
+    import yaml
+
+    data = tmp_path / "data"
+    run = train(small_recipe(tmp_path / "run", data, "train.steps=3", "train.max_minutes=1e-9"), progress=False)
+    for path in (run / "recipe.yaml", ckpt.latest(run / "checkpoints") / "recipe.yaml"):
+        old = yaml.safe_load(path.read_text())
+        for field in ("edit_budget", "sub_block_size"):  # as an older version recorded it
+            old["eval"].pop(field)
+        path.write_text(yaml.safe_dump(old))
+    with pytest.raises(DlmError, match="eval.edit_budget: 4 in the run, 2 now"):
+        train(small_recipe(run, data, "train.steps=3", "eval.edit_budget=2"), resume=True, progress=False)
+    train(small_recipe(run, data, "train.steps=3"), resume=True, progress=False)
+    assert len(losses(run)) == 3

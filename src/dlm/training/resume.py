@@ -50,9 +50,20 @@ def _flat(d: dict, prefix: str = "") -> dict[str, object]:
     return out
 
 
+def _as_read_now(recorded: dict) -> dict:
+    """The recorded recipe with this version's defaults filled in; as recorded when it no longer validates (its
+    differences are then listed field by field)."""
+    try:
+        return Recipe.model_validate(recorded).model_dump(mode="json")
+    except ValueError:
+        return recorded
+
+
 def differences(recorded: dict, recipe: Recipe, ignore: tuple[str, ...] = ()) -> list[tuple[str, object, object]]:
-    """(field, recorded value, value now) for every field that changes the run (RESUME_FREE and `ignore` skipped)."""
-    before, now = _flat(recorded), _flat(recipe.model_dump(mode="json"))
+    """(field, recorded value, value now) for every field that changes the run (RESUME_FREE and `ignore` skipped).
+    The recorded recipe is read as this version reads it: a setting added since it was recorded counts at its default
+    (a run recorded before a sampler option existed resumes, unless the option is now set to something else)."""
+    before, now = _flat(_as_read_now(recorded)), _flat(recipe.model_dump(mode="json"))
     skip = RESUME_FREE + ignore
     out = []
     for key in sorted(set(before) | set(now)):
