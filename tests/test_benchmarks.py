@@ -131,6 +131,8 @@ def test_decoding_frontier_measures_every_decoder_per_seed_resumes_and_reports(t
     ids = {"mask_token_id": tok.mask_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
     for seed in (0, 1):
         for name, model in (("ar", tiny_model(len(tok), seed=seed, **ids)),
+                            ("full", tiny_model(len(tok), "bidirectional", "masked", label_shift=True, seed=seed,
+                                                **ids)),
                             ("block", tiny_model(len(tok), "block_causal", "masked", label_shift=True, seed=seed,
                                                  block_size=8, **ids))):
             model.save_pretrained(tmp_path / f"seed{seed}" / name)
@@ -142,13 +144,15 @@ def test_decoding_frontier_measures_every_decoder_per_seed_resumes_and_reports(t
                                                      for i in range(3)))
     out, doc = tmp_path / "frontier.json", tmp_path / "frontier.md"
     models = tmp_path / "seed{seed}"
-    argv = ["--seeds", "0,1", "--block", str(models / "block"), "--ar", str(models / "ar"), "--ar-parent",
+    argv = ["--seeds", "0,1", "--block", str(models / "block"), "--full", str(models / "full"), "--ar",
+            str(models / "ar"), "--ar-parent",
             str(models / "ar"), "--data", str(data), "--easy", str(tmp_path / "easy"), "--n", "3", "--speed-n", "2",
             "--max-new-tokens", "16", "--out", str(out)]
     frontier.main(argv)
     rows = json.loads(out.read_text())["rows"]
     cells = len(frontier.DATASETS) + 3  # fp32 batch 16 on each set, and batch 1 / bf16 on medium
-    assert len(rows) == 2 * cells * (len(frontier.DECODERS) + 2)  # and the two AR baselines
+    # and the two AR baselines; the full-canvas model's decoders on medium and unseen at fp32, batch 16
+    assert len(rows) == 2 * (cells * (len(frontier.DECODERS) + 2) + 2 * len(frontier.FULL_DECODERS))
     assert all(len(r["correct"]) == r["n"] == (2 if r["batch_size"] == 1 or r["dtype"] != "float32" else 3)
                and len(r["nfe"]) == r["n"] and r["tpf"] > 0 for r in rows)
     assert all(r["tpf"] == pytest.approx(1.0) for r in rows if r["decoder"] in ("ar", "ar-parent"))
@@ -157,5 +161,5 @@ def test_decoding_frontier_measures_every_decoder_per_seed_resumes_and_reports(t
     assert len(json.loads(out.read_text())["rows"]) == len(rows)
     text = doc.read_text()
     assert "<!-- frontier:begin -->" in text and "### medium" in text and "The goals" in text
-    assert "| reuse2 | approx. | 2 |" in text
+    assert "| reuse2 | approx. | 2 |" in text and "| full-budget | 1 | unseen |" in text
     assert (tmp_path / "f.png").stat().st_size > 10_000
