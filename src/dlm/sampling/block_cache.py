@@ -156,33 +156,39 @@ def decode_block_causal(model, canvas, attention, positions, P, block_size, step
                          step, progress, refresh_every, mask_id, dtype)
             continue
         carry = hidden[:, s - c :] if uses_carry else None
-        rows, step_cache = active, None
-        while True:
-            local = progress.working(rows, s, e)  # the rows that take another step on this block
-            if local is None:
-                break
-            if step_cache is None:
-                # Later steps run the block's tokens against its clean context: their mask, positions and cache are
-                # built at the block's second step for the rows of `active`, and narrowed when rows stop.
-                in_block = noised[:, s:]
-                step_mask = block_causal_mask(blocks[active, s:e], in_block, blocks[active, :e], noised,
-                                              attention[active, :e], dtype)
-                step_positions, step_cache = positions[active, s:e], StepCache(prefix, block_size)
-            if len(local) < len(rows):
-                rows, step_mask, step_positions, in_block = (t[local] for t in (rows, step_mask, step_positions,
-                                                                                 in_block))
-                boundary = boundary[local] if boundary is not None else None
-                carry = carry[local] if carry is not None else None  # not None exactly when uses_carry
-                step_cache.select(local)
-            if step.dropped:  # an EOS cut moved: the keys after it leave the rows' mask
-                step_mask = block_causal_mask(blocks[rows, s:e], in_block, blocks[rows, :e], noised[: len(rows)],
-                                              attention[rows, :e], dtype)
-            inputs = dict(attention_mask=step_mask, position_ids=step_positions, cache=step_cache, use_cache=True)
-            raw, carry = _forward(model, canvas[rows, s:e], inputs, carry, in_block if uses_carry else None)
-            logits = _block_logits(raw, boundary, block_size)
-            reveal, confidence, proposal, eligible = step(canvas, rows, s, logits, whole[: len(rows)])
-            progress.record(rows, s, reveal, confidence, eligible, proposal)
+        _exact_steps(model, canvas, attention, positions, s, e, active, prefix, blocks, noised, boundary, carry, step,
+                     progress, dtype)
     return progress.nfe
+
+
+def _exact_steps(model, canvas, attention, positions, s, e, active, prefix, blocks, noised, boundary, carry, step,
+                 progress, dtype):
+    """The steps after a block's first: the block's tokens against its clean context (exact). Their mask, positions and
+    cache are built at the block's second step for the rows of `active`, and narrowed when rows stop."""
+    rows, step_cache, W = active, None, e - s
+    whole = torch.ones(len(active), W, dtype=torch.bool, device=canvas.device)
+    while True:
+        local = progress.working(rows, s, e)  # the rows that take another step on this block
+        if local is None:
+            return
+        if step_cache is None:
+            in_block = noised[:, s:]
+            step_mask = block_causal_mask(blocks[active, s:e], in_block, blocks[active, :e], noised,
+                                          attention[active, :e], dtype)
+            step_positions, step_cache = positions[active, s:e], StepCache(prefix, W)
+        if len(local) < len(rows):
+            rows, step_mask, step_positions, in_block = (t[local] for t in (rows, step_mask, step_positions, in_block))
+            boundary = boundary[local] if boundary is not None else None
+            carry = carry[local] if carry is not None else None  # not None exactly when the model has a carry
+            step_cache.select(local)
+        if step.dropped:  # an EOS cut moved: the keys after it leave the rows' mask
+            step_mask = block_causal_mask(blocks[rows, s:e], in_block, blocks[rows, :e], noised[: len(rows)],
+                                          attention[rows, :e], dtype)
+        inputs = dict(attention_mask=step_mask, position_ids=step_positions, cache=step_cache, use_cache=True)
+        raw, carry = _forward(model, canvas[rows, s:e], inputs, carry, in_block if carry is not None else None)
+        reveal, confidence, proposal, eligible = step(canvas, rows, s, _block_logits(raw, boundary, W),
+                                                      whole[: len(rows)])
+        progress.record(rows, s, reveal, confidence, eligible, proposal)
 
 
 def _reuse_steps(model, canvas, attention, positions, s, e, active, prefix, block_kv, masked_then, boundary, step,
@@ -202,7 +208,6 @@ def _reuse_steps(model, canvas, attention, positions, s, e, active, prefix, bloc
     # one buffer per layer: [clean context | the block as last refreshed | this step's queries]
     step_cache = StepCache([(torch.cat([k, bk], 2), torch.cat([v, bv], 2)) for (k, v), (bk, bv) in
                             zip(prefix, block_kv)], W)
-    block_index = torch.arange(W, device=device)
     rows = active
     since = torch.ones(len(rows), dtype=torch.long, device=device)  # steps since each row's last refresh
     fresh_sub = _sub_block(step, masked_then, W)  # the sub-block each row's last refresh was in
@@ -217,14 +222,8 @@ def _reuse_steps(model, canvas, attention, positions, s, e, active, prefix, bloc
         window = canvas[rows, s:e]
         sub = _sub_block(step, window == mask_id, W)
         refresh = (since >= refresh_every) | (sub != fresh_sub)
-        in_sub = (block_index[None, :] // (step.sub or W)) == sub[:, None] if step.sub else \
-            torch.ones_like(masked_then)
         valid = attention[rows, s:e].bool()
-        targets = torch.where(refresh[:, None], valid, masked_then & in_sub & valid)  # positions whose logits are read
-        computed = targets.clone()
-        if label_shift:  # the output before a position predicts it; block position 0's comes from the first pass
-            computed[:, :-1] |= targets[:, 1:]
-        computed |= refresh[:, None]
+        computed = _computed(step, refresh, sub, masked_then, valid, label_shift)
         Q = int(computed.sum(-1).max())
         order = torch.sort((~computed).int(), dim=-1, stable=True).indices[:, :Q]  # each row's computed positions first
         real = computed.gather(1, order)  # False: padding queries
@@ -250,6 +249,19 @@ def _reuse_steps(model, canvas, attention, positions, s, e, active, prefix, bloc
         whole = torch.ones(len(rows), W, dtype=torch.bool, device=device)
         reveal, confidence, proposal, eligible = step(canvas, rows, s, logits, whole)
         progress.record(rows, s, reveal, confidence, eligible, proposal)
+
+
+def _computed(step, refresh, sub, masked_then, valid, label_shift: bool) -> torch.Tensor:
+    """[R, W]: the block positions a reuse step computes: the whole (valid) block on a refresh, else those masked at
+    the row's previous step in its current sub-block, and under label shift the position before each (its output
+    predicts it; block position 0's comes from the block's first pass)."""
+    W = valid.shape[1]
+    in_sub = (torch.arange(W, device=valid.device)[None, :] // (step.sub or W)) == sub[:, None]
+    targets = torch.where(refresh[:, None], valid, masked_then & in_sub & valid)
+    computed = targets.clone()
+    if label_shift:
+        computed[:, :-1] |= targets[:, 1:]
+    return computed | refresh[:, None]
 
 
 def _sub_block(step, masked: torch.Tensor, W: int) -> torch.Tensor:

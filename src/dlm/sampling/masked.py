@@ -72,39 +72,26 @@ def generate(
     ("prefix" or "dual", full-canvas models with a `block_size`) selects Fast-dLLM's approximate caches. `trace`: a
     list to append each step to as it happens (a live view, e.g. `dlm serve`); implies recording.
 
-    Decoding rules beyond the policy (`dlm.sampling.steps.Step`, exact unless said): `sub_block_size`,
-    `remask_threshold` with `edit_budget`, `eos_confidence` (EOS-aware stopping) and `nfe_budget` (a per-row budget);
-    `refresh_every` (block-causal models with the KV cache; not read on others) reuses keys and values inside the
-    current block between recomputations, an approximation (`block_cache.decode_block_causal`)."""
+    Rules beyond the policy (`steps.Step`): sub_block_size, remask_threshold and edit_budget, eos_confidence,
+    nfe_budget; refresh_every (approximate, block-causal models only: `block_cache._reuse_steps`)."""
     rule = make_rule(policy, reveal_count, confidence_threshold)
     block_causal, block_size = _check_layout(model, block_size, mask_id, eos_id, cache)
     if block_causal:
         gen_length = num_blocks(gen_length, block_size) * block_size
     canvas, attention, positions, P = _canvas(model, prompts, gen_length, pad_id, mask_id)
-    if trace is None:
-        trace = [] if return_trace else None
-    if sub_block_size is not None and block_size is None and gen_length % sub_block_size:
-        raise OptionsError(f"sub_block_size {sub_block_size} must divide the canvas ({gen_length} positions) when "
-                           "there is no block_size")
-    if refresh_every is not None and remask_threshold is not None:
-        raise OptionsError("remask_threshold reads every committed token's probability, which a step that reuses keys "
-                           "and values (refresh_every) does not compute; choose one")
-    if not block_causal:
-        refresh_every = None  # not read on a full-canvas model (MaskedOptions.in_effect), like kv_cache
-    elif refresh_every is not None and not kv_cache:
-        raise OptionsError("refresh_every (in-block key/value reuse) reuses the KV cache; it needs kv_cache on")
+    trace = ([] if return_trace else None) if trace is None else trace
+    refresh_every = _check_rules(block_causal, block_size, gen_length, kv_cache, sub_block_size, refresh_every,
+                                 remask_threshold)
     step = partial(Step, rule, mask_id, eos_id, temperature, generator, sub_block_size=sub_block_size,
                    max_nfe=nfe_budget, remask_threshold=remask_threshold, edit_budget=edit_budget,
                    eos_confidence=eos_confidence)
-    if (block_causal and kv_cache) or cache is not None:
-        if block_causal:
-            run = partial(block_cache.decode_block_causal, refresh_every=refresh_every)
-        else:
-            run = partial(block_cache.decode_fast_dllm, mode=cache)
-        nfe = run(model, canvas, attention, positions, P, block_size, step, eos_id, mask_id, trace)
+    if block_causal and kv_cache:
+        run = partial(block_cache.decode_block_causal, refresh_every=refresh_every)
+    elif cache is not None:
+        run = partial(block_cache.decode_fast_dllm, mode=cache)
     else:
-        nfe = decode(model, canvas, attention, positions, P, block_size, step, eos_id, mask_id, trace,
-                     block_causal, reset_carry_per_block)
+        run = partial(decode, block_causal=block_causal, reset_carry_per_block=reset_carry_per_block)
+    nfe = run(model, canvas, attention, positions, P, block_size, step, eos_id, mask_id, trace)
     region = canvas[:, P:]
     cut = first_index(region == eos_id).tolist()
     tokens = [row[:n] for row, n in zip(region.tolist(), cut)]
@@ -133,6 +120,23 @@ def _check_layout(model, block_size: int | None, mask_id: int, eos_id: int, cach
             raise OptionsError("cache='prefix'/'dual' (Fast-dLLM) is for full-canvas models without a carry and needs "
                                "a block_size; block-causal models use kv_cache instead")
     return block_causal, block_size
+
+
+def _check_rules(block_causal: bool, block_size: int | None, gen_length: int, kv_cache: bool,
+                 sub_block_size: int | None, refresh_every: int | None, remask_threshold: float | None):
+    """The refresh_every the decoder uses (None on a full-canvas model, which does not read it, like kv_cache);
+    refuses rules that do not fit the layout or each other."""
+    if sub_block_size is not None and block_size is None and gen_length % sub_block_size:
+        raise OptionsError(f"sub_block_size {sub_block_size} must divide the canvas ({gen_length} positions) when "
+                           "there is no block_size")
+    if refresh_every is not None and remask_threshold is not None:
+        raise OptionsError("remask_threshold reads every committed token's probability, which a step that reuses keys "
+                           "and values (refresh_every) does not compute; choose one")
+    if not block_causal:
+        return None
+    if refresh_every is not None and not kv_cache:
+        raise OptionsError("refresh_every (in-block key/value reuse) reuses the KV cache; it needs kv_cache on")
+    return refresh_every
 
 
 def _canvas(model, prompts, gen_length: int, pad_id: int, mask_id: int):

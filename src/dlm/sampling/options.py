@@ -66,8 +66,7 @@ def _invalid(message: str) -> PydanticCustomError:
     return PydanticCustomError("sampling_options", "{message}", {"message": message})
 
 
-# The decoders' extra rules (issue 45), read wherever set: sub-blocks, in-block key/value reuse, remasking, EOS-aware
-# stopping and the NFE budget (`dlm.sampling.steps.Step`, `dlm.sampling.block_cache`).
+# The decoders' rules beyond the policy (issue 45; `dlm.sampling.steps.Step`, `block_cache`), read wherever set
 DECODER_RULES = ("sub_block_size", "refresh_every", "remask_threshold", "eos_confidence", "nfe_budget")
 
 # The options each unmasking policy reads (PUMBA §2); under a policy the others change nothing.
@@ -162,29 +161,18 @@ class MaskedOptions(SamplingOptions):
     reset_carry_per_block: Switch = Field(False, description="full-canvas models with a carry and a block_size: "
                                           "restart the carry from zero at each new block (block-causal models always "
                                           "do, PUMBA App. B.4.3)")
-    sub_block_size: Count | None = Field(
-        None, description="decode each block in sub-blocks of this many positions, left to right: a step reveals only "
-        "in the first sub-block with a mask (Fast-dLLM v2; exact: a rule, no approximation); it must divide the "
-        "block size; unset: the whole block")
-    refresh_every: Count | None = Field(
-        None, description="block-causal models with kv_cache: APPROXIMATE in-block key/value reuse (dKV-Cache's "
-        "delayed caching, Fast-dLLM v2's sub-block cache): the whole block is recomputed at its first step, at each "
-        "new sub-block and every k-th step; between, a step computes only the positions masked at the previous step "
-        "(in the current sub-block) and reuses the kept keys and values of the block's other positions; 1 = every "
-        "step (exact); unset: exact")
-    remask_threshold: Fraction | None = Field(
-        None, description="remasking / token editing: after a step, a token committed at an earlier step of the "
-        "current block whose probability under the step's prediction is below this is masked again (the lowest "
-        "first), at most edit_budget times per block and row; unset: committed tokens stay")
+    sub_block_size: Count | None = Field(None, description="sub-blocks of this many positions (dividing the block "
+                                         "size): a step reveals only in the first with a mask (Fast-dLLM v2; exact)")
+    refresh_every: Count | None = Field(None, description="block-causal models, APPROXIMATE: reuse keys and values "
+                                        "inside the block, recomputing it whole every k steps and at each sub-block; "
+                                        "between, only what was masked a step before (dKV-Cache); 1 = exact")
+    remask_threshold: Fraction | None = Field(None, description="re-mask a token committed at an earlier step of the "
+                                              "block whose probability falls below this (lowest first)")
     edit_budget: Count = Field(4, description="remasking: the most tokens a row may re-mask in one block")
-    eos_confidence: Fraction | None = Field(
-        None, description="EOS-aware stopping: once a step commits an end of text with at least this confidence, "
-        "every masked position after it is filled with end of text and leaves the computation (neither computed nor "
-        "attended); unset: positions after an EOS decode as any other")
-    nfe_budget: Count | None = Field(
-        None, description="per-row forward-pass budget: the step that reaches it and every later one reveal every "
-        "eligible position of the row (the rest of the block, or sub-block, at once), so a row takes at most this "
-        "many passes plus one per later block (sub-block); unset: no budget")
+    eos_confidence: Fraction | None = Field(None, description="EOS-aware stopping: after an EOS committed with this "
+                                            "confidence, the row's later masks become EOS and leave the computation")
+    nfe_budget: Count | None = Field(None, description="forward passes per row; from the last one on, each step "
+                                     "reveals the rest of its block (sub-block) at once")
 
     @model_validator(mode="after")
     def _policy_implied(self):
@@ -192,15 +180,6 @@ class MaskedOptions(SamplingOptions):
         stays unset (not given), so a later override or replace implies it again from what is given then."""
         if "policy" not in self.model_fields_set:
             self.__dict__["policy"] = implied_policy(self.model_fields_set)
-        return self
-
-    @model_validator(mode="after")
-    def _decoder_rules(self):
-        if self.refresh_every is not None and self.remask_threshold is not None:
-            raise _invalid("remask_threshold reads every committed token's probability, which a step that reuses "
-                           "keys and values (refresh_every) does not compute; choose one")
-        if self.refresh_every is not None and not self.kv_cache:
-            raise _invalid("refresh_every reuses keys and values of the KV cache; it needs kv_cache on")
         return self
 
     @model_validator(mode="after")
@@ -216,13 +195,12 @@ class MaskedOptions(SamplingOptions):
         block_causal = getattr(spec, "attention", None) == "block_causal"
         carry = getattr(spec, "carry", None)  # None: unknown
         used = {"policy", *POLICY_USES[self.policy], "block_size"}
-        used |= {k for k in DECODER_RULES if getattr(self, k) is not None}  # listed where set: a rule in effect
+        used |= {k for k in DECODER_RULES if getattr(self, k) is not None  # a rule in effect where set
+                 and (k != "refresh_every" or spec is None or block_causal)}
         if self.remask_threshold is not None:
             used.add("edit_budget")
         if spec is None or block_causal:
             used.add("kv_cache")
-        elif self.refresh_every is not None:
-            used.discard("refresh_every")
         if self.block_size is not None and not block_causal:
             used |= {"cache"} if not carry else set()
             used |= {"reset_carry_per_block"} if carry or spec is None else set()
