@@ -419,8 +419,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "bf16 block passes are ~4x slower than fp32 on CPUs without bf16 dot products)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--device", default="cpu", help="device (default cpu)")
-    p.add_argument("--out", default="runs/frontier/decoding-frontier.json", help="the table (JSON, resumed; the results "
-                   "doc's is docs/results/decoding-frontier.json)")
+    p.add_argument("--out", default="runs/frontier/decoding-frontier.json",
+                   help="the table (JSON, resumed; the results doc's is docs/results/decoding-frontier.json)")
     p.add_argument("--report", action="store_true", help="only write --doc / --plot from the table")
     p.add_argument("--doc", help="markdown doc to write the tables into (between its frontier markers)")
     p.add_argument("--plot", help="accuracy-vs-TPF plot (PNG)")
