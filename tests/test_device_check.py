@@ -276,7 +276,7 @@ def _plants():
                                GENERATE["block_kv_cache_sampled"]),
         "fast_dllm_padding": (block_cache, "_padding_mask", "torch.zeros(", GENERATE["fast_dllm_dual"]),
         "elbo_ar_target": (elbo_module, "ar_loglikelihood", "torch.tensor(cont", elbo("ar")),
-        "elbo_block_carry": (elbo_module, "_masked_logits", "torch.zeros(*canvas.shape", elbo("block_carry")),
+        "elbo_block_carry": (elbo_module, "masked_logits", "torch.zeros(*canvas.shape", elbo("block_carry")),
         "elbo_offsets": (elbo_module, "_score_chunk", "torch.arange(width", elbo("masked")),
     }
 

@@ -274,7 +274,7 @@ def test_pair_puts_bos_before_both_texts_when_asked(saved, monkeypatch):
 
 def test_score_hands_the_model_args_to_the_scorer_and_times_per_pair(masked, monkeypatch):
     """_score's likelihoods are dlm.evaluation.elbo.loglikelihood's with the model args (mc_num, batch_size, seed,
-    the pad id), in the order of the pairs; each pair costs an even share of the wall time and no tokens."""
+    the pad id, common masks), in the order of the pairs; each pair costs an even share of the wall time and no tokens."""
     from dlm.evaluation import elbo
 
     calls = []
@@ -292,7 +292,7 @@ def test_score_hands_the_model_args_to_the_scorer_and_times_per_pair(masked, mon
     pairs = [([5, 6], [7, 8]), ([9], [10, 11, 12]), ([13, 14, 15], [16])]
     reqs = [request("s", i) for i in range(3)]
     scores = lm._score(reqs, pairs, "loglikelihood")
-    assert calls == [{"mc_num": 3, "batch_size": 2, "seed": 5, "pad_id": lm.tok.pad_token_id}]
+    assert calls == [{"mc_num": 3, "batch_size": 2, "seed": 5, "pad_id": lm.tok.pad_token_id, "common_masks": True}]
     assert scores == elbo.masked_loglikelihood(lm.model, pairs, mc_num=3, batch_size=2, seed=5,
                                                pad_id=lm.tok.pad_token_id)
     assert scores != elbo.masked_loglikelihood(lm.model, pairs, mc_num=128, batch_size=2, seed=5,

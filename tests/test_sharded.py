@@ -40,6 +40,15 @@ OBJECTIVES = {
     "reward": ["train.objective=reward", "data.preference_pairs=true"],
 }
 COMMON = ["train.steps=3", "train.checkpoint_every=100", "data.n_test=2"]
+
+
+def _grpo(one: Path) -> list[str]:
+    """GRPO (DDP only: sharded strategies refuse it) from the 1-process MDM, rewarded by the 1-process reward model;
+    2 processes x 2 prompts x G = 2 completions against 1 process x 4 prompts. The rollouts, masks and rewards of a
+    prompt are keyed by its place in the global stream, so both layouts sample, score and normalise the same rows."""
+    return ["train.objective=grpo", "model.attention=bidirectional", f"model.init_from={one / 'mdm' / 'model'}",
+            "rl.group_size=2", "rl.reference=frozen", "rl.max_new_tokens=8", "rl.estimator=elbo",
+            f"rl.reward=[{{name: reward_model, path: {one / 'reward' / 'model'}}}]", "eval.policy=top_u"]
 # resume: EMA on (its shards are checkpointed too); PU: W=2 windows with the carry, trajectories mid-way at step 2
 RESUME = {"ema": ["train.objective=mdm", "model.attention=bidirectional", "train.ema_decay=0.5"],
           "pu": OBJECTIVES["pu-w2-carry"]}
@@ -110,6 +119,8 @@ class Runs:
         if part == "one":
             return _References(self)
         self / "one" / "ar"  # the 1-process runs write the shared data first, as they always did
+        if part == "ddp":  # GRPO's policy and reward model
+            self / "one" / "mdm", self / "one" / "reward"
         self._make(part, lambda: _launch_mode(self.root, part))
         return self.root / part
 
@@ -122,6 +133,9 @@ class _References:
         root, data = self.runs.root / "one", self.runs.root / "data"
         if name == "ema":
             recipe = small_recipe(root / "ema", data, "train.batch_size=8", *RESUME_COMMON, *RESUME["ema"])
+        elif name == "grpo":
+            self / "mdm", self / "reward"  # its policy and its reward model
+            recipe = small_recipe(root / name, data, "train.batch_size=8", *COMMON, *_grpo(root))
         else:
             recipe = small_recipe(root / name, data, "train.batch_size=8", *COMMON, *OBJECTIVES[name])
         self.runs._make(("one", name), lambda: train(recipe, progress=False))
@@ -136,6 +150,8 @@ def _launch_mode(root: Path, mode: str) -> None:  # 2 processes × b
                out)
         return
     jobs = [_job(out, data, name, *COMMON, *extra) for name, extra in OBJECTIVES.items()]
+    if mode == "ddp":
+        jobs.append(_job(out, data, "grpo", *COMMON, *_grpo(root / "one")))
     if mode == "fsdp":  # bf16: shards gathered as bf16 copies (MixedPrecisionPolicy), gradients reduced in fp32
         jobs.append(_job(out, data, "mdm-bf16", *COMMON, *OBJECTIVES["mdm"], "train.precision=bf16"))
     for name, extra in RESUME.items():
@@ -165,7 +181,8 @@ def max_diff(a: dict, b: dict) -> float:
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
 
 
-@pytest.mark.parametrize("mode,objective", [(m, o) for m in ("ddp", "fsdp") for o in OBJECTIVES] + [("hsdp", "ar")])
+@pytest.mark.parametrize("mode,objective", [(m, o) for m in ("ddp", "fsdp") for o in OBJECTIVES]
+                         + [("hsdp", "ar"), ("ddp", "grpo")])
 def test_two_processes_match_one_process_with_double_batch(runs, mode, objective):
     ref, got = losses(runs / "one" / objective), losses(runs / mode / objective)
     assert len(got) == len(ref) == 3

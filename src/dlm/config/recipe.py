@@ -13,6 +13,7 @@ from dlm.config.sections import (
     ModelConfig,
     OptimConfig,
     ProgressiveConfig,
+    RLConfig,
     SimplexConfig,
     Strict,
     TrainConfig,
@@ -84,6 +85,7 @@ class Recipe(Strict):
     masked: MaskedConfig = MaskedConfig()
     progressive: ProgressiveConfig = ProgressiveConfig()
     simplex: SimplexConfig = SimplexConfig()
+    rl: RLConfig = RLConfig()
     eval: EvalConfig = EvalConfig()
     scale: ScaleConfig = ScaleConfig()
 
@@ -99,6 +101,25 @@ class Recipe(Strict):
         return self
 
     @model_validator(mode="after")
+    def _rl_needs_grpo(self):
+        given = sorted(self.rl.model_fields_set)
+        if given and self.train.objective != "grpo" and self.rl != RLConfig():
+            raise ValueError(f"{', '.join('rl.' + f for f in given)} only apply to train.objective grpo, not "
+                             f"{self.train.objective!r}: remove them or set train.objective: grpo")
+        if self.train.objective == "grpo":
+            rl = self.rl
+            if self.train.batch_size % rl.group_size:
+                raise ValueError(f"train.batch_size ({self.train.batch_size}) counts completions: make it a multiple "
+                                 f"of rl.group_size ({rl.group_size})")
+            if rl.reference == "adapters" and rl.kl_beta and self.train.lora is None:
+                raise ValueError("rl.reference adapters is the LoRA base with its adapters off: set train.lora, or "
+                                 "rl.reference: frozen (a frozen copy) or none (with rl.kl_beta: 0)")
+            if not self.model.init_from:
+                raise ValueError("train.objective grpo post-trains a model: set model.init_from (a dlm run or "
+                                 "model directory)")
+        return self
+
+    @model_validator(mode="after")
     def _lora_needs_a_base(self):
         if self.train.lora is not None and not self.model.init_from:
             raise ValueError("train.lora adapts a saved model: set model.init_from to its directory (a local HF "
@@ -110,8 +131,9 @@ class Recipe(Strict):
         m, p = self.model, self.progressive
         if m.attention != "block_causal":
             return self
-        if self.train.objective not in ("mdm", "pu"):
-            raise ValueError(f"block_causal attention trains with objective mdm or pu, not {self.train.objective!r}")
+        if self.train.objective not in ("mdm", "pu", "grpo"):
+            raise ValueError(f"block_causal attention trains with objective mdm, pu or grpo, not "
+                             f"{self.train.objective!r}")
         if self.train.objective == "pu":
             if p.construction != "threshold":
                 raise ValueError("block PUMBA uses the threshold construction (progressive.construction: threshold)")
@@ -127,14 +149,19 @@ class Recipe(Strict):
 
 # The model family each objective trains.
 FAMILIES = {"autoregressive": "autoregressive", "mdm": "masked", "pu": "masked", "simplex": "simplex",
-            "reward": "reward"}
+            "reward": "reward", "grpo": "masked"}
+
+
+def family_of(recipe: Recipe) -> str:
+    """The model family a recipe trains (grpo: the policy's, rl.family)."""
+    return recipe.rl.family if recipe.train.objective == "grpo" else FAMILIES[recipe.train.objective]
 
 
 def model_spec(recipe: Recipe, mask_token_id: int | None, eos_token_id: int | None,
                pad_token_id: int | None) -> ModelSpec:
     """The ModelSpec a recipe trains: the family its objective trains, attention, label shift, the tokenizer's
     special tokens, and the extras its settings name (PUMBA's carry; TESS 2's simplex k, T and self-conditioning)."""
-    m, family = recipe.model, FAMILIES[recipe.train.objective]
+    m, family = recipe.model, family_of(recipe)
     attention = "causal" if family == "autoregressive" else m.attention
     fields = dict(family=family, attention=attention, label_shift=m.label_shift, mask_token_id=mask_token_id,
                   eos_token_id=eos_token_id, pad_token_id=pad_token_id,

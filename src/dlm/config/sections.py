@@ -1,4 +1,4 @@
-"""The recipe's training sections (model, data, optim, train with LoRA, masked, progressive, simplex): fields,
+"""The recipe's training sections (model, data, optim, train with LoRA, masked, progressive, simplex, rl): fields,
 defaults and the checks that concern one section alone."""
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ class LoraConfig(Strict):
 
 
 class TrainConfig(Strict):
-    objective: Literal["autoregressive", "mdm", "pu", "simplex", "reward"] = "autoregressive"
+    objective: Literal["autoregressive", "mdm", "pu", "simplex", "reward", "grpo"] = "autoregressive"
     steps: int = Field(1000, gt=0)
     batch_size: int = Field(32, gt=0, description="sequences per process per micro-batch")
     grad_accum: int = Field(1, gt=0)
@@ -202,3 +202,63 @@ class SimplexConfig(Strict):
     ul2_prefix: Literal["half", "random"] = Field("half", description="UL2 prefix-LM split: half (App. A.1) or random "
                                                   "(§3.2)")
 
+
+
+class RewardTerm(Strict):
+    """One term of the reward: `weight` × the named reward (each in [0, 1], or the reward model's score)."""
+
+    name: Literal["tinymath", "format", "unit_tests", "reward_model"] = Field(
+        description="tinymath: 1 when the completion's program returns the record's `answer` in the sandbox; "
+        "format: 1 when it parses as Python and defines `solution` (parsed, never run); unit_tests: 1 when the "
+        "record's HumanEval-style `test` passes on prompt + completion in the sandbox; reward_model: a dlm "
+        "Bradley-Terry model's score (`path`)")
+    weight: float = 1.0
+    path: str | None = Field(None, description="reward_model: the dlm reward model directory")
+
+    @model_validator(mode="after")
+    def _path(self):
+        if (self.name == "reward_model") != (self.path is not None):
+            raise ValueError("rl.reward: `path` is required by reward_model terms, and only by them")
+        return self
+
+
+class RLConfig(Strict):
+    """GRPO-family post-training (train.objective: grpo; `dlm.training.objectives.grpo`). train.batch_size counts
+    completions per process per micro-batch: batch_size / group_size prompts, group_size completions each. Rollouts
+    use the eval section's sampler (policy, threshold, blocks, ...) at rl.temperature."""
+
+    family: Literal["masked", "autoregressive"] = Field(
+        "masked", description="the policy's family: a masked diffusion model (full canvas or block-causal) or an AR "
+        "model (exact log-probabilities: the GRPO baseline on the same loop)")
+    group_size: int = Field(8, gt=1, description="G: completions per prompt; advantages are normalised in a group")
+    inner_steps: int = Field(1, gt=0, description="mu: updates on the same rollouts (the ratio's old policy is the "
+                             "policy that sampled them)")
+    clip: float = Field(0.2, gt=0, lt=1, description="epsilon of the clipped ratio")
+    kl_beta: float = Field(0.04, ge=0, description="beta of the per-token KL (k3 estimate) to the reference")
+    reference: Literal["adapters", "frozen", "none"] = Field(
+        "adapters", description="adapters: the LoRA base with adapters off (free; needs train.lora); frozen: a "
+        "frozen copy of the starting model (one more model in memory per process); none: no KL (kl_beta 0)")
+    estimator: Literal["mean_field", "elbo", "spg"] = Field(
+        "mean_field", description="sequence log-likelihood of a masked policy: mean_field (d1: completion fully "
+        "masked, prompt tokens masked at random, one pass), elbo (the Monte-Carlo ELBO of `evaluation/elbo.py`), "
+        "spg (ELBO for positive advantages, an upper bound for negative ones). AR policies are exact")
+    prompt_mask_prob: float = Field(0.15, ge=0, lt=1, description="mean_field: probability of masking each prompt "
+                                    "token (a fresh draw per inner step)")
+    mc_num: int = Field(2, gt=0, description="elbo/spg: masks per completion per inner step")
+    spg_beta: float = Field(1.5, ge=1, description="spg: beta of the upper bound (SPG's GSM8K scripts: 1.5)")
+    spg_mix: float = Field(0.5, ge=0, le=1, description="spg: weight of the upper bound for negative advantages "
+                           "(the rest is the ELBO; 1 = the pure upper bound; SPG's GSM8K scripts: 0.5)")
+    scale_rewards: bool = Field(True, description="divide advantages by the group's reward std (GRPO); false: "
+                                "only centre them (Dr. GRPO)")
+    temperature: float = Field(1.0, ge=0, description="rollout sampling temperature")
+    max_new_tokens: int | None = Field(None, gt=0, description="rollout length (masked: the canvas; default "
+                                       "eval.max_new_tokens)")
+    reward: list[RewardTerm] = Field(default_factory=lambda: [RewardTerm(name="tinymath")],
+                                     description="the reward: a weighted sum of terms")
+    reward_timeout: float = Field(1.0, gt=0, le=30, description="sandbox seconds per completion")
+
+    @model_validator(mode="after")
+    def _kl(self):
+        if self.reference == "none" and self.kl_beta:
+            raise ValueError(f"rl.reference none has no KL term: set rl.kl_beta: 0 (it is {self.kl_beta})")
+        return self

@@ -4,7 +4,10 @@ et al. 2025): mask l ~ U{1..L} of the continuation's L tokens (ratio t = l/L, co
 positions' -log p. Simplex models have no likelihood here.
 
 Every estimate is deterministic for a seed and independent of batching: each request draws its masks from a
-generator seeded by (seed, its own tokens), so batch size and request order change nothing but float rounding."""
+generator seeded by (seed, its context, its continuation's length) (`common_masks`, the default: the choices of a
+multiple-choice item share their masks, so the masks' noise cancels in the comparison; per request's own tokens
+without it), so batch size and request order change nothing but float rounding. The same sampler and forward serve
+RL's likelihood estimators (`dlm.training.objectives.likelihood`)."""
 
 from __future__ import annotations
 
@@ -80,9 +83,11 @@ def ar_loglikelihood(model, pairs: Sequence[Pair], *, batch_size: int = 8, pad_i
     return out
 
 
-def request_generator(seed: int, ctx: Sequence[int], cont: Sequence[int]) -> torch.Generator:
-    """A generator that depends only on the seed and the request's own tokens (not on its batch or position)."""
-    key = zlib.crc32(repr((list(ctx), list(cont))).encode())
+def request_generator(seed: int, ctx: Sequence[int], cont: Sequence[int], common: bool = False) -> torch.Generator:
+    """A generator that depends only on the seed and the request's own tokens (not on its batch or position); with
+    `common`, on the context and the continuation's length only: the choices of one context that have the same
+    length draw the same masks (common random numbers), so the noise of the masks cancels in their comparison."""
+    key = zlib.crc32(repr((list(ctx), len(cont) if common else list(cont))).encode())
     return torch.Generator().manual_seed(seed * 1_000_003 + key)
 
 
@@ -108,41 +113,46 @@ def _groups(model, length: int) -> torch.Tensor:
     return torch.arange(length) // block if block else torch.zeros(length, dtype=torch.long)
 
 
-def _masked_logits(model, rows, prompt_lens, pad_id: int, mask_id: int, targets) -> torch.Tensor:
+def masked_logits(model, rows, prompt_lens, pad_id: int, mask_id: int, targets) -> torch.Tensor:
     """Aligned logits [B, W, V] of noised rows [context | continuation with masks]: one bidirectional pass, or for a
     block-causal model the vectorised block layout (each block sees the clean blocks before it, `targets`). A model
-    with a carry gets a zero carry, as at the sampler's first step."""
-    device = next(model.parameters()).device
-    spec = model.spec
+    with a carry gets a zero carry, as at the sampler's first step. `model` may be wrapped (DDP: the pass goes
+    through the wrapper, so gradients synchronise; RL estimators, `dlm.training.objectives.likelihood`)."""
+    inner = getattr(model, "module", model)
+    device = next(inner.parameters()).device
+    spec = inner.spec
     if spec.attention == "block_causal":
         S = spec.block_size
         widths = [p + -(-(len(r) - p) // S) * S for r, p in zip(rows, prompt_lens)]
         pad = [list(r) + [mask_id] * (w - len(r)) for r, w in zip(rows, widths)]
         canvas, _ = _right_pad(pad, pad_id)
         target, _ = _right_pad([list(t) + [mask_id] * (w - len(t)) for t, w in zip(targets, widths)], pad_id)
-        carry = torch.zeros(*canvas.shape, model.config.hidden_size, device=device) if spec.carry else None
+        carry = torch.zeros(*canvas.shape, inner.config.hidden_size, device=device) if spec.carry else None
         return block_forward(model, canvas.to(device), target.to(device), torch.tensor(prompt_lens, device=device),
                              torch.tensor(widths, device=device), carry=carry)
     ids, mask = (t.to(device) for t in _right_pad(rows, pad_id))
     if spec.carry:
-        carry = torch.zeros(*ids.shape, model.config.hidden_size, device=device)
+        carry = torch.zeros(*ids.shape, inner.config.hidden_size, device=device)
         return model(ids, attention_mask=mask, carry=carry, return_hidden=True)[0]
     return model(ids, attention_mask=mask)
 
 
 @torch.inference_mode()
 def masked_loglikelihood(model, pairs: Sequence[Pair], *, mc_num: int = 128, batch_size: int = 32, seed: int = 0,
-                         pad_id: int = 0) -> list[tuple[float, bool]]:
+                         pad_id: int = 0, common_masks: bool = True) -> list[tuple[float, bool]]:
     """(ELBO of log p(continuation | context), greedy) per pair for a masked model: the mean over mc_num masks (see
     `sample_masks`) of -Σ_masked (1/t)·(-log p), and whether the argmax at every continuation position, all of them
-    masked, is the continuation (one pass; under block diffusion each block sees the clean blocks before it)."""
+    masked, is the continuation (one pass; under block diffusion each block sees the clean blocks before it).
+    `common_masks`: choices of one context with the same length share their masks (`request_generator`); false
+    draws per request (each pair's own tokens key its masks: the estimates before 2026-12-07)."""
     if mc_num < 1:
         raise DlmError(f"mc_num must be >= 1, got {mc_num}")
     mask_id = model.spec.mask_token_id
     pairs = _fit(pairs, context_length(model), room=0)
     total, greedy = [0.0] * len(pairs), [False] * len(pairs)
     chunk = []
-    for job in _elbo_jobs(model, pairs, mc_num, seed, mask_id):  # rows are made as they are scored: bounded memory
+    # rows are made as they are scored: bounded memory
+    for job in _elbo_jobs(model, pairs, mc_num, seed, mask_id, common_masks):
         chunk.append(job)
         if len(chunk) == batch_size:
             _score_chunk(model, pairs, chunk, pad_id, mask_id, total, greedy)
@@ -152,11 +162,11 @@ def masked_loglikelihood(model, pairs: Sequence[Pair], *, mc_num: int = 128, bat
     return [(t / mc_num, g) for t, g in zip(total, greedy)]
 
 
-def _elbo_jobs(model, pairs, mc_num: int, seed: int, mask_id: int):
+def _elbo_jobs(model, pairs, mc_num: int, seed: int, mask_id: int, common: bool = True):
     """(pair index, noised row, weights over the continuation; None for the all-masked greedy pass), longest first."""
     for i in _by_length(pairs):
         ctx, cont = pairs[i]
-        masked, weight = sample_masks(_groups(model, len(cont)), mc_num, request_generator(seed, ctx, cont))
+        masked, weight = sample_masks(_groups(model, len(cont)), mc_num, request_generator(seed, ctx, cont, common))
         target = torch.tensor(cont)
         for m, w in zip(masked, weight):
             yield i, ctx + target.masked_fill(m, mask_id).tolist(), torch.where(m, w, 0.0)
@@ -167,7 +177,7 @@ def _score_chunk(model, pairs, chunk, pad_id: int, mask_id: int, total: list, gr
     """One batched pass over `chunk`'s rows: adds each row's -Σ weight·nll to total[i] (greedy rows: greedy[i])."""
     prompt_lens = [len(pairs[i][0]) for i, _, _ in chunk]
     lengths = [len(pairs[i][1]) for i, _, _ in chunk]
-    logits = _masked_logits(model, [row for _, row, _ in chunk], prompt_lens, pad_id, mask_id,
+    logits = masked_logits(model, [row for _, row, _ in chunk], prompt_lens, pad_id, mask_id,
                             [pairs[i][0] + pairs[i][1] for i, _, _ in chunk])
     device, width = logits.device, max(lengths)
     offsets = torch.arange(width, device=device)
@@ -192,13 +202,14 @@ def _score_chunk(model, pairs, chunk, pad_id: int, mask_id: int, total: list, gr
 
 
 def loglikelihood(model, pairs: Sequence[Pair], *, mc_num: int = 128, batch_size: int = 8, seed: int = 0,
-                  pad_id: int = 0) -> list[tuple[float, bool]]:
+                  pad_id: int = 0, common_masks: bool = True) -> list[tuple[float, bool]]:
     """(log-likelihood or its ELBO, greedy) per pair, by the model's family."""
     family = model.spec.family
     if family == "autoregressive":
         return ar_loglikelihood(model, pairs, batch_size=batch_size, pad_id=pad_id)
     if family == "masked":
-        return masked_loglikelihood(model, pairs, mc_num=mc_num, batch_size=batch_size, seed=seed, pad_id=pad_id)
+        return masked_loglikelihood(model, pairs, mc_num=mc_num, batch_size=batch_size, seed=seed, pad_id=pad_id,
+                                    common_masks=common_masks)
     raise DlmError(f"loglikelihood is not supported for {family} models: dlm has no likelihood (or bound) for them; "
                    "use generation tasks (output_type: generate_until)")
 

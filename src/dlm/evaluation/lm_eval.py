@@ -43,8 +43,8 @@ except ImportError:  # pragma: no cover - depends on the environment
     raise DlmError("lm-eval is not installed: pip install -e .[eval] (with a torch==2.13.0 constraint)") from None
 
 TASKS_DIR = Path(__file__).parent / "lm_eval_tasks"  # dlm's packaged lm-eval tasks (for --include_path)
-MODEL_ARGS = ("pretrained", "dtype", "batch_size", "max_batch_size", "device", "seed", "mc_num", "max_gen_toks",
-              "add_bos_token", "truncate_prompts", "trust_remote_code")
+MODEL_ARGS = ("pretrained", "dtype", "batch_size", "max_batch_size", "device", "seed", "mc_num", "common_masks",
+              "max_gen_toks", "add_bos_token", "truncate_prompts", "trust_remote_code")
 # how a prompt too long for the context is made to fit, in lm-eval's words (`dlm.evaluation.tasks.fit_hint`)
 FIT_FLAGS = ("model_args truncate_prompts=true", "gen_kwargs max_gen_toks={0} (dlm eval: --max-new-tokens {0})")
 
@@ -52,7 +52,8 @@ FIT_FLAGS = ("model_args truncate_prompts=true", "gen_kwargs max_gen_toks={0} (d
 @register_model("dlm")
 class DlmLM(LM):
     """lm-eval's LM interface over a dlm model. Model args: pretrained (run/model/checkpoint directory), dtype
-    (auto, float32, bfloat16, float16), batch_size, device, seed, mc_num (ELBO masks per request), max_gen_toks
+    (auto, float32, bfloat16, float16), batch_size, device, seed, mc_num (ELBO masks per request), common_masks
+    (true: a context's choices of one length share their ELBO masks; `dlm.evaluation.elbo`), max_gen_toks
     (when a request does not say), add_bos_token, truncate_prompts (keep a too-long context's end; default true), and
     any sampling option by its field or short name (policy, u, tau, block_size, kv_cache, cache, steps, top_p, ...).
     device and dtype resolve as every dlm command's (`dlm.modeling.device`): auto, the default, is the GPU in
@@ -60,12 +61,14 @@ class DlmLM(LM):
 
     def __init__(self, pretrained: str | Path, dtype: str | None = "auto", batch_size: int | str = 8,
                  max_batch_size: int | None = None, device: str | None = None, seed: int = 0, mc_num: int = 128,
-                 max_gen_toks: int = 256, add_bos_token: bool = False, truncate_prompts: bool = True,
+                 common_masks: bool | str = True, max_gen_toks: int = 256, add_bos_token: bool = False,
+                 truncate_prompts: bool = True,
                  trust_remote_code: bool | None = None, options=None, **sampling):
         super().__init__()
         self.batch_size = _positive("batch_size", batch_size)  # every arg is checked before the model loads
         self.mc_num, self.max_gen_toks = _positive("mc_num", mc_num), _positive("max_gen_toks", max_gen_toks)
         self.seed, self.add_bos, self.truncate = int(seed), bool(add_bos_token), bool(truncate_prompts)
+        self.common_masks = _flag("common_masks", common_masks)
         values = _sampling_values(options, sampling)
         names = {option_name(k): k for k in sampling if k in OWNER or k in ALIASES}  # how the model args wrote them
         if isinstance(values, dict):  # each value in range, the policy rule (tau alone: threshold; an option the
@@ -141,7 +144,8 @@ class DlmLM(LM):
                     max(s["nfe"], 1)} if kind == "generate_until" else {})}
         return {"dlm": {"pretrained": self.pretrained, "family": self.family, **self.placement,
                         "sampling": {"family": self.family, **self.options.in_effect(self.model.spec)},
-                        "seed": self.seed, "mc_num": self.mc_num, "batch_size": self.batch_size,
+                        "seed": self.seed, "mc_num": self.mc_num, "common_masks": self.common_masks,
+                        "batch_size": self.batch_size,
                         "truncated_prompts": self.truncated, "tasks": tasks}}
 
     # ---- helpers ---------------------------------------------------------------------------------------------------
@@ -173,7 +177,7 @@ class DlmLM(LM):
     def _score(self, requests, pairs, kind: str) -> list[tuple[float, bool]]:
         t0 = time.perf_counter()
         scores = loglikelihood(self.model, pairs, mc_num=self.mc_num, batch_size=self.batch_size, seed=self.seed,
-                               pad_id=self.tok.pad_token_id)
+                               pad_id=self.tok.pad_token_id, common_masks=self.common_masks)
         seconds = (time.perf_counter() - t0) / max(len(pairs), 1)
         seen = set()  # a rolling request is scored in several windows: each window costs, the request counts once
         for req in requests:
@@ -186,6 +190,16 @@ class DlmLM(LM):
         s["requests"], s["nfe"], s["tokens"], s["seconds"] = (s["requests"] + new, s["nfe"] + nfe,
                                                               s["tokens"] + tokens, s["seconds"] + seconds)
         self.request_nfe[(req.task_name, req.doc_id)] += nfe
+
+
+def _flag(name: str, value) -> bool:
+    """A boolean model arg, given as a bool or as lm-eval's text (true/false, any case)."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text not in ("true", "false", "1", "0"):
+        raise DlmError(f"dlm model arg {name}={value!r}: must be true or false")
+    return text in ("true", "1")
 
 
 def _positive(name: str, value) -> int:

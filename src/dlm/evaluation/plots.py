@@ -7,7 +7,8 @@ from pathlib import Path
 
 
 def plot_training_curve(run_dir: str | Path, out: str | Path | None = None) -> Path:
-    """Loss (and evaluation accuracy where logged) against update step, from `metrics.jsonl`."""
+    """Loss (RL runs: rollout reward and KL) and evaluation accuracy where logged, against update step, from
+    `metrics.jsonl`."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -16,10 +17,19 @@ def plot_training_curve(run_dir: str | Path, out: str | Path | None = None) -> P
     run_dir = Path(run_dir)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
     fig, ax = plt.subplots(figsize=(6, 3.6))
-    ax.plot([r["step"] for r in records], [r["loss"] for r in records], label="training loss", color="tab:blue")
+    rl = [r for r in records if "rl/reward" in r]
+    if rl:  # RL: the loss is a surrogate (negative, near 0); the reward and the KL say how the run goes
+        ax.plot([r["step"] for r in rl], [r["rl/reward"] for r in rl], label="rollout reward", color="tab:blue")
+        ax.set_ylabel("mean reward")
+        kl = ax.twinx()
+        kl.plot([r["step"] for r in rl], [r.get("rl/kl", 0.0) for r in rl], label="KL to reference", color="tab:gray",
+                lw=0.8)
+        kl.set_ylabel("KL")
+    else:
+        ax.plot([r["step"] for r in records], [r["loss"] for r in records], label="training loss", color="tab:blue")
+        ax.set_ylabel("loss")
+        ax.set_yscale("log")
     ax.set_xlabel("update")
-    ax.set_ylabel("loss")
-    ax.set_yscale("log")
     evals = [r for r in records if "eval/accuracy" in r]
     if evals:
         ax2 = ax.twinx()

@@ -20,7 +20,7 @@ import torch
 import yaml
 from transformers import PretrainedConfig
 
-from dlm.config import FAMILIES, GPUS, Recipe
+from dlm.config import GPUS, Recipe, family_of
 from dlm.errors import DlmError
 from dlm.modeling.backbone import DiffusionLM, kv_shape
 from dlm.training.meta_model import backbone_config, meta_model, recipes_beside  # noqa: F401 (this module's API)
@@ -110,7 +110,7 @@ def estimate(recipe: Recipe, recipe_path: str | Path | None = None, recipes: Seq
         notes.append(f"PU keeps the activations of all W={micro['pu_window']} passes: progressive.activation_"
                      f"checkpointing or train.activation_checkpointing keeps them from growing W-fold")
     return {
-        "recipe": recipe.name, "objective": tc.objective, "family": FAMILIES[tc.objective],
+        "recipe": recipe.name, "objective": tc.objective, "family": family_of(recipe),
         "model_source": source, "architecture": type(model.backbone).__name__,
         "shape": {k: shape[k] for k in ("hidden", "layers", "kv_width", "intermediate", "vocab", "tied_embeddings")},
         "parameters": {"total": n["total"], "trainable": n["trainable"], "frozen": n["frozen"],

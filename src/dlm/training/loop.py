@@ -32,7 +32,6 @@ from dlm.training import resume as resume_rules
 from dlm.training.assembly import build_model, init_source, resolve_tokenizer
 from dlm.training.ema import EMA
 from dlm.training.objectives import build_objective
-from dlm.training.resume import ResumeError
 
 
 def lr_lambda(step: int, warmup: int, total: int, schedule: str, min_ratio: float) -> float:
@@ -48,7 +47,7 @@ def lr_lambda(step: int, warmup: int, total: int, schedule: str, min_ratio: floa
 class Trainer:
     def __init__(self, recipe: Recipe, resume: bool = False, progress: bool = True, extend_to: int | None = None):
         self.run_dir = Path(recipe.out_dir)
-        recipe, found, old_steps = _resumed_recipe(recipe, self.run_dir, resume, extend_to)
+        recipe, found, old_steps = resume_rules.resumed_recipe(recipe, self.run_dir, resume, extend_to)
         self.recipe, self.progress = recipe, progress
         tc = recipe.train
         AcceleratorState._reset_state()  # precision is per run; the process group (PartialState) is kept
@@ -68,6 +67,9 @@ class Trainer:
         self.owns_data = attach is not None
         if attach is not None:
             attach(self.stream, collate, self.unwrapped.config.hidden_size)
+        bind = getattr(self.objective, "bind", None)  # RL: rollouts need the model, the records and the tokenizer
+        if bind is not None:
+            bind(self.model, self.splits["train"], self.tok, self._starting_model)
         self.ema = EMA(self.unwrapped, tc.ema_decay) if tc.ema_decay else None
         self.step, self.tokens_seen = 0, 0
         self.skipped_updates, self.skipped_in_a_row = 0, 0  # updates skipped for a NaN/inf loss or gradient
@@ -111,6 +113,13 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(  # over the groups the strategy's optimizer steps
             self.parallel.scheduled(self.optimizer),
             partial(lr_lambda, warmup=oc.warmup_steps, total=tc.steps, schedule=oc.schedule, min_ratio=oc.min_lr_ratio))
+
+    def _starting_model(self) -> DiffusionLM:
+        """The model this run started from, built again as `_build_model` built it (RL's frozen reference: a resumed
+        run gets the start, not the resumed weights); the global RNG is left as it was."""
+        with torch.random.fork_rng(devices=[]):
+            set_seed(self.recipe.train.seed)
+            return build_model(self.recipe, self.tok, self.source)
 
     def _replan(self, old_steps: int) -> None:
         """--extend-to: set the learning rate the re-planned schedule gives at the resumed step, and say so."""
@@ -367,20 +376,6 @@ def _write_test_result(trainer: Trainer, result: dict) -> None:
 # ---- helpers --------------------------------------------------------------------------------------------------
 class NonFiniteError(DlmError, RuntimeError):
     """Too many updates in a row had a NaN/inf loss or gradient; the run stopped at its last good checkpoint."""
-
-
-def _resumed_recipe(recipe: Recipe, run_dir: Path, resume: bool, extend_to: int | None):
-    """(the recipe the run follows, the checkpoint it resumes or None, the step count it was planned for): --resume
-    continues the run its checkpoint recorded, or refuses naming what differs (dlm.training.resume)."""
-    if extend_to is not None and not resume:
-        raise ResumeError("--extend-to goes with --resume: it trains an existing run further")
-    found = ckpt.latest(run_dir / "checkpoints") if resume else None
-    old_steps = recipe.train.steps
-    if found is not None:
-        recorded = resume_rules.recorded_recipe(run_dir, found)
-        old_steps = (recorded or {}).get("train", {}).get("steps", old_steps)
-        recipe = resume_rules.check(recipe, recorded, run_dir, found, ckpt.step_of(found), extend_to)
-    return recipe, found, old_steps
 
 
 def _truncate_metrics(path: Path, step: int) -> None:

@@ -74,9 +74,13 @@ def from_accelerate_config(cfg: dict, processes: int, where: str | Path) -> Para
 
 def refusals(backend: str, recipe: Recipe) -> list[str]:
     """What the trainer refuses to run under `backend` (one message per reason; empty when it runs)."""
-    if backend != "zero3":
-        return []
     tc, out = recipe.train, []
+    if tc.objective == "grpo" and backend in ("fsdp2", "zero3"):
+        out.append(f"train.objective: grpo runs one process or DDP, not {backend}: its rollouts run the sampler on "
+                   "the unwrapped model, a number of passes that differs between ranks, which sharded weights "
+                   "(gathered collectively at every pass) cannot follow")
+    if backend != "zero3":
+        return out
     if tc.objective in ZERO3_OBJECTIVES_REFUSED:  # see sharding.forward_with_inputs
         out.append(f"train.objective: {tc.objective} is not supported under DeepSpeed ZeRO-3: these objectives use "
                    "weights outside the model's forward (soft embeddings, the reward head), which ZeRO-3 leaves "

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import yaml
 
+from dlm import checkpoint as ckpt
 from dlm.config import Recipe
 from dlm.errors import DlmError
 
@@ -106,3 +107,17 @@ def extension_note(run_dir: Path, step: int, old_steps: int, new_steps: int, lr_
 
 def _show(value: object) -> str:
     return "null" if value is None else str(value)
+
+
+def resumed_recipe(recipe: Recipe, run_dir: Path, resume: bool, extend_to: int | None):
+    """(the recipe the run follows, the checkpoint it resumes or None, the step count it was planned for): --resume
+    continues the run its checkpoint recorded, or refuses naming what differs (`check`)."""
+    if extend_to is not None and not resume:
+        raise ResumeError("--extend-to goes with --resume: it trains an existing run further")
+    found = ckpt.latest(run_dir / "checkpoints") if resume else None
+    old_steps = recipe.train.steps
+    if found is not None:
+        recorded = recorded_recipe(run_dir, found)
+        old_steps = (recorded or {}).get("train", {}).get("steps", old_steps)
+        recipe = check(recipe, recorded, run_dir, found, ckpt.step_of(found), extend_to)
+    return recipe, found, old_steps

@@ -60,6 +60,10 @@ def build_objective(name: str, recipe, mask_token_id: int | None = None, rank: i
         return SimplexObjective(c.simplex_value, c.timesteps, c.self_condition_prob, c.masking,
                                 recipe.model.label_shift, recipe.train.seed, rank, c.ul2_prefix,
                                 max_length=recipe.model.max_length)
+    if name == "grpo":
+        from dlm.training.objectives.grpo import GRPOObjective
+
+        return GRPOObjective(recipe, rank, world)
     if name == "reward":
         from dlm.training.objectives.reward import RewardObjective
 
