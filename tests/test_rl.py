@@ -245,14 +245,17 @@ def starts(tmp_path_factory):
                                 "model.attention=bidirectional", "data.n_test=2"), progress=False)
     reward = train(small_recipe(root / "reward", data, "train.steps=2", "train.objective=reward",
                                 "data.preference_pairs=true", "data.n_test=2"), progress=False)
-    return policy / "model", reward / "model", data
+    block = train(small_recipe(root / "block", data, "train.steps=2", "train.objective=mdm", "model.label_shift=true",
+                               "model.attention=block_causal", "model.block_size=4", "data.n_test=2"), progress=False)
+    ar = train(small_recipe(root / "ar", data, "train.steps=2", "data.n_test=2"), progress=False)
+    return policy / "model", reward / "model", data, block / "model", ar / "model"
 
 
 def grpo_recipe(out, starts, *extra):
     """A GRPO run from the nano MDM, rewarded by the nano reward model (varied scores from an untrained policy)."""
     from tests.test_training import small_recipe
 
-    policy, reward, data = starts
+    policy, reward, data = starts[:3]
     return small_recipe(out, data, "train.objective=grpo", "model.attention=bidirectional",
                         f"model.init_from={policy}", "train.batch_size=4", "rl.group_size=2",
                         "rl.reference=frozen", "rl.max_new_tokens=8", "rl.estimator=elbo", "rl.inner_steps=2",
@@ -283,3 +286,32 @@ def test_grpo_resumes_exactly_in_the_middle_of_a_cycle(starts, tmp_path):
     assert records[1]["rl/kl"] > 0 and records[0]["rl/reward_group_std"] > 0  # the policy moved; rewards vary
     a, b = (load_file(r / "model" / "model.safetensors") for r in (full, cut))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+LAYOUTS = {  # each policy layout and estimator with the loop's options: LoRA (its base as the reference), bf16 and
+    # activation checkpointing on a block-causal policy (KV-cached rollouts), an AR policy (exact likelihood)
+    "lora-mean_field": ["rl.estimator=mean_field", "train.lora={r: 4}", "rl.reference=adapters"],
+    "block-spg-bf16": ["model.attention=block_causal", "model.block_size=4", "model.label_shift=true",
+                       "rl.estimator=spg", "train.precision=bf16", "train.activation_checkpointing=true"],
+    "ar-exact": ["model.attention=causal", "rl.family=autoregressive"],
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_grpo_trains_every_policy_layout(starts, tmp_path, layout):
+    from tests.test_training import losses
+
+    init = {"block-spg-bf16": starts[3], "ar-exact": starts[4]}.get(layout, starts[0])
+    run = train_grpo(grpo_recipe(tmp_path / layout, starts, "train.steps=3", "rl.inner_steps=1",
+                                 f"model.init_from={init}", *LAYOUTS[layout]))
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses(run)) == 3 and all(math.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in records)
+    assert records[0]["rl/kl"] == pytest.approx(0.0, abs=1e-6)  # the first update's policy is its reference
+    assert records[-1]["rl/kl"] > 0 and records[0]["rl/reward_group_std"] > 0
+    assert (run / "model" / "dlm.json").is_file() and (run / "training_curve.png").is_file()
+
+
+def train_grpo(recipe):
+    from dlm.training.loop import train
+
+    return train(recipe, progress=False)
