@@ -274,7 +274,8 @@ def test_pair_puts_bos_before_both_texts_when_asked(saved, monkeypatch):
 
 def test_score_hands_the_model_args_to_the_scorer_and_times_per_pair(masked, monkeypatch):
     """_score's likelihoods are dlm.evaluation.elbo.loglikelihood's with the model args (mc_num, batch_size, seed,
-    the pad id, common masks), in the order of the pairs; each pair costs an even share of the wall time and no tokens."""
+    the pad id, common masks), in the order of the pairs; each pair costs an even share of the wall time and no
+    tokens."""
     from dlm.evaluation import elbo
 
     calls = []

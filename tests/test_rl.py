@@ -315,3 +315,30 @@ def train_grpo(recipe):
     from dlm.training.loop import train
 
     return train(recipe, progress=False)
+
+
+def test_answer_reward_reads_the_final_answer_without_running_anything():
+    records = [{"prompt": "p", "answer": 1234}, {"prompt": "p", "answer": 42}, {"prompt": "p", "answer": 7.5},
+               {"prompt": "p", "answer": 8}, {"prompt": "p", "answer": 3}]
+    completions = ["12 + 1222 so \\boxed{1,234}.", "it is 41.\n#### 42", "first 5, then 7.5", "7 apples",
+                   "import os; os.system('echo 3')"]
+    scores = Rewards([RewardTerm(name="answer")])(records, completions)
+    assert scores.terms["answer"] == [1.0, 1.0, 1.0, 0.0, 1.0] and scores.failures["answer"] == 0
+
+
+def test_dry_run_counts_grpo_passes_reference_and_rollouts():
+    """elbo/spg: mc_num passes per completion; a frozen reference: one more copy of the weights; rollouts: their
+    forwards once per cycle (fewer FLOPs per update as rl.inner_steps grows)."""
+    from pathlib import Path
+
+    from dlm.training.dryrun import estimate
+
+    path = Path(__file__).resolve().parents[1] / "recipes" / "scale" / "llada8b-grpo-lora.yaml"
+    base = estimate(load_recipe(path), path)
+    assert base["memory_bytes"]["reference"] == 0  # the LoRA base is the reference
+    frozen = estimate(load_recipe(path, ["rl.reference=frozen"]), path)
+    assert frozen["memory_bytes"]["reference"] == pytest.approx(2 * frozen["parameters"]["total"])
+    elbo = estimate(load_recipe(path, ["rl.estimator=elbo", "rl.mc_num=4"]), path)
+    assert elbo["micro_batch"]["sequences"] == 4 * base["micro_batch"]["sequences"]
+    once = estimate(load_recipe(path, ["rl.inner_steps=1"]), path)
+    assert once["flops_per_update"] > base["flops_per_update"]  # the recipe's mu = 4 shares each rollout

@@ -207,8 +207,9 @@ class SimplexConfig(Strict):
 class RewardTerm(Strict):
     """One term of the reward: `weight` × the named reward (each in [0, 1], or the reward model's score)."""
 
-    name: Literal["tinymath", "format", "unit_tests", "reward_model"] = Field(
+    name: Literal["tinymath", "answer", "format", "unit_tests", "reward_model"] = Field(
         description="tinymath: 1 when the completion's program returns the record's `answer` in the sandbox; "
+        "answer: 1 when its final answer (last \\boxed{}, text after ####, or last number) equals `answer`; "
         "format: 1 when it parses as Python and defines `solution` (parsed, never run); unit_tests: 1 when the "
         "record's HumanEval-style `test` passes on prompt + completion in the sandbox; reward_model: a dlm "
         "Bradley-Terry model's score (`path`)")

@@ -20,8 +20,10 @@ if TYPE_CHECKING:  # the recipe's sections, read by field: data sits below the r
 SPLITS = ("train", "validation", "test")
 
 
-def load_splits(cfg: DataConfig, default_dir: Path) -> dict[str, list[dict]]:
-    """Records of each available split; tinymath is generated (once, deterministically) into `cfg.dir`."""
+def load_splits(cfg: DataConfig, default_dir: Path, required: Sequence[str] = ("prompt", "response")
+                ) -> dict[str, list[dict]]:
+    """Records of each available split, each with the `required` fields (a missing one is an error naming the file
+    and line); tinymath is generated (once, deterministically) into `cfg.dir`."""
     if cfg.source == "tinymath":
         from dlm.data.tinymath import write_tinymath
 
@@ -39,7 +41,6 @@ def load_splits(cfg: DataConfig, default_dir: Path) -> dict[str, list[dict]]:
                 {"train": cfg.train, "validation": cfg.validation}.items() if p}
     else:
         paths = {"train": cfg.train, "validation": cfg.validation, "test": cfg.test}
-    required = ("prompt", "response")
     splits = {s: load_records(p, split=s, required=required) for s, p in paths.items() if p}
     if cfg.preference_pairs and cfg.source == "tinymath":  # reward models: correct vs corrupted program (App. C)
         from dlm.data.tinymath import add_rejected

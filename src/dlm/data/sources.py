@@ -140,5 +140,9 @@ def _validate(record: object, required: Sequence[str], where: str) -> None:
         if field not in record:
             has = ", ".join(map(str, record)) or "nothing"
             raise DataError(f"{where}: record is missing field {field!r} (has: {has})")
-        if not isinstance(record[field], str):
-            raise DataError(f"{where}: field {field!r} must be a string, got {type(record[field]).__name__}")
+        value = record[field]
+        if field == "answer":  # graded against: a number or a string
+            if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+                raise DataError(f"{where}: field 'answer' must be a number or a string, got {type(value).__name__}")
+        elif not isinstance(value, str):
+            raise DataError(f"{where}: field {field!r} must be a string, got {type(value).__name__}")

@@ -2,6 +2,8 @@
 
 - `tinymath`: 1 when the completion, run in the sandbox (`dlm.evaluation.sandbox`: a separate process with time
   and memory limits, no network, writes only to its temp dir), returns the record's `answer`; else 0.
+- `answer`: 1 when the completion's final answer (the last `\\boxed{...}`, else what follows the last `####`, else
+  its last number) equals the record's `answer` (numbers to 1e-3); read, never run. For reasoning in text (GSM8K).
 - `format`: 1 when the completion parses as Python and defines `solution` at top level. It is parsed (`ast.parse`
   of at most `MAX_PARSE` characters), never executed.
 - `unit_tests`: 1 when a HumanEval-style record's `test` passes on prompt + completion, in the sandbox
@@ -15,6 +17,7 @@ and returns a wrong value or raises its own exception is a wrong answer (0), not
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -50,6 +53,29 @@ def _unit_tests(records: Sequence[dict], completions: Sequence[str], timeout: fl
 def _failed(results: Sequence[SandboxResult]) -> int:
     return sum(r.status in FAILED or (r.status is Status.ERROR and (r.error or "").startswith("sandbox"))
                for r in results)
+
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def final_answer(text: str) -> str | None:
+    """The completion's final answer: the last `\\boxed{...}`, else the text after the last `####`, else its last
+    number (commas dropped); None when there is none."""
+    text = text[-MAX_PARSE:]
+    boxed = re.findall(r"\\boxed\{([^{}]*)\}", text)
+    tail = boxed[-1] if boxed else text.rsplit("####", 1)[1] if "####" in text else text
+    numbers = _NUMBER.findall(tail)
+    return numbers[-1].replace(",", "") if numbers else (tail.strip() or None) if boxed else None
+
+
+def answer_matches(text: str, expected) -> bool:
+    got = final_answer(text)
+    if got is None:
+        return False
+    try:
+        return answers_match(float(got), float(expected))
+    except (TypeError, ValueError):
+        return got.strip() == str(expected).strip()
 
 
 def has_solution(text: str) -> bool:
@@ -91,6 +117,8 @@ class Rewards:
             return _unit_tests(records, completions, self.timeout)
         if term.name == "format":
             return [float(has_solution(c)) for c in completions], 0
+        if term.name == "answer":
+            return [float(answer_matches(c, r["answer"])) for r, c in zip(records, completions)], 0
         return self._reward_model(term.path, records, completions), 0
 
     def _reward_model(self, path: str, records, completions) -> list[float]:

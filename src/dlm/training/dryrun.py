@@ -51,7 +51,30 @@ FORMULAS = {
              "frozen ones; + one forward per checkpointing level; x W passes (PU); + p forwards (simplex "
              "self-conditioning); N_mm = matrix params (not norms, not an untied input embedding)",
     "time": "FLOPs per update / (num_processes x GPU peak bf16 dense x mfu)",
+    "grpo": "train.batch_size completions per micro-batch, x rl.mc_num passes for the elbo/spg estimators (1 for "
+            "mean_field and AR); + a frozen reference's weights (rl.reference frozen: 2 B/param in bf16, 4 in fp32; "
+            "the LoRA base costs nothing); FLOPs + the reference's forward, + rollouts once per rl.inner_steps "
+            "updates: each completion NFE full-canvas forwards (NFE = max_new_tokens / eval.reveal_count for top_u, "
+            "max_new_tokens / 2 under threshold decoding: a planning figure, as threshold NFE depends on the "
+            "model's confidence; KV caches make rollouts cheaper than this), + with mu > 1 the old policy's "
+            "forward once per update on average",
 }
+
+
+def grpo_passes(recipe: Recipe) -> int:
+    """Forward passes of the policy per completion in one GRPO loss (elbo/spg: rl.mc_num; else 1)."""
+    rl = recipe.rl
+    return rl.mc_num if rl.family == "masked" and rl.estimator in ("elbo", "spg") else 1
+
+
+def grpo_forwards(recipe: Recipe) -> float:
+    """Forwards per completion position per update besides the loss's (FORMULAS["grpo"])."""
+    rl, ev = recipe.rl, recipe.eval
+    new = rl.max_new_tokens or ev.max_new_tokens
+    nfe = new if rl.family == "autoregressive" else \
+        new / (ev.reveal_count if ev.policy == "top_u" else 2)
+    passes = grpo_passes(recipe)
+    return nfe / rl.inner_steps + passes * (bool(rl.kl_beta) + (rl.inner_steps > 1))
 
 
 def read_parallelism(recipe: Recipe, recipe_path: str | Path | None = None) -> Parallelism:
@@ -176,7 +199,11 @@ def state_bytes(recipe: Recipe, par: Parallelism, n: dict[str, int]) -> dict[str
         grads = 4 * updated / shard["gradients"]
         optim = 8 * updated / shard["optimizer"]
     ema = 4 * trainable / shard["weights"] if tc.ema_decay else 0.0
-    return {"weights": weights, "gradients": grads, "optimizer": optim, "ema": ema}
+    out = {"weights": weights, "gradients": grads, "optimizer": optim, "ema": ema}
+    if tc.objective == "grpo":
+        frozen_copy = recipe.rl.reference == "frozen" and recipe.rl.kl_beta
+        out["reference"] = (2 if bf16 else 4) * (trainable + frozen) if frozen_copy else 0.0
+    return out
 
 
 def micro_batch(recipe: Recipe) -> dict:
@@ -185,7 +212,8 @@ def micro_batch(recipe: Recipe) -> dict:
     tc, m = recipe.train, recipe.model
     pu = tc.objective == "pu"
     block = m.attention == "block_causal"
-    return {"sequences": tc.batch_size * (2 if tc.objective == "reward" else 1),
+    many = 2 if tc.objective == "reward" else grpo_passes(recipe) if tc.objective == "grpo" else 1
+    return {"sequences": tc.batch_size * many,
             "positions": m.max_length * (2 if block else 1), "block_layout": block,
             "pu_window": recipe.progressive.window if pu else 1,
             "progressive_checkpointing": bool(pu and recipe.progressive.activation_checkpointing)}
@@ -233,7 +261,10 @@ def update_flops(recipe: Recipe, par: Parallelism, n: dict[str, int], shape: dic
     recompute = (1 if tc.activation_checkpointing else 0) + (1 if micro["progressive_checkpointing"] else 0)
     per_position = fwd + bwd + recompute * fwd
     extra_fwd = recipe.simplex.self_condition_prob if tc.objective == "simplex" else 0.0
-    flops = compute_positions * (micro["pu_window"] * per_position + extra_fwd * fwd)
+    passes = grpo_passes(recipe) if tc.objective == "grpo" else 1
+    flops = compute_positions * (micro["pu_window"] * passes * per_position + extra_fwd * fwd)
+    if tc.objective == "grpo":  # rollouts, the reference, the old policy: forwards only
+        flops += canvas_tokens * grpo_forwards(recipe) * fwd
     return flops, global_seqs, canvas_tokens
 
 
@@ -323,6 +354,8 @@ def rows(r: dict) -> list[tuple[str, str]]:
         ("gradients", _g(mem["gradients"])),
         ("optimizer (AdamW)", _g(mem["optimizer"])),
         ("EMA", _g(mem["ema"]) if mem["ema"] else "off"),
+        *([("RL reference", _g(mem["reference"]) if mem["reference"] else "none (LoRA base or no KL)")]
+          if "reference" in mem else []),
         ("activations, no checkpointing", _g(r["activations_bytes"]["without_checkpointing"])),
         ("activations, layer checkpointing", _g(r["activations_bytes"]["with_checkpointing"])),
         ("checkpointing as configured", ckpt),

@@ -32,6 +32,7 @@ from dlm.training import resume as resume_rules
 from dlm.training.assembly import build_model, init_source, resolve_tokenizer
 from dlm.training.ema import EMA
 from dlm.training.objectives import build_objective
+from dlm.training.objectives.grpo import prompt_stream, required_fields
 
 
 def lr_lambda(step: int, warmup: int, total: int, schedule: str, min_ratio: float) -> float:
@@ -84,10 +85,15 @@ class Trainer:
     def _load_data(self):
         """The splits, the tokenizer and this rank's batch stream; returns the collate function."""
         recipe, tc = self.recipe, self.recipe.train
+        rl = tc.objective == "grpo"  # RL reads prompts and what its rewards grade, not prompt/response canvases
         with self.acc.main_process_first():  # rank 0 writes the data and the tokenizer cache, the others read them
-            self.splits = load_splits(recipe.data, self.run_dir / "data")
+            self.splits = load_splits(recipe.data, self.run_dir / "data", required_fields(recipe))
             self.source = init_source(recipe)  # model.init_from resolved once: the tokenizer and every build
             self.tok = resolve_tokenizer(recipe, self.splits["train"], self.run_dir, self.source)
+        if rl:  # a stream of record indices: the prompts of each update
+            self.stream = prompt_stream(self.splits["train"], tc.batch_size // recipe.rl.group_size, tc.seed,
+                                        self.acc.process_index, self.acc.num_processes)
+            return None
         block = recipe.model.block_size if recipe.model.attention == "block_causal" else None
         examples, collate = encode_examples(self.tok, self.splits["train"], recipe.model.max_length, block)
         self.stream = BatchStream(examples, tc.batch_size, collate, seed=tc.seed,

@@ -65,6 +65,21 @@ def _indices(rows, pad_to=None) -> dict[str, torch.Tensor]:
     return {"input_ids": torch.tensor(rows, dtype=torch.long)[:, None]}
 
 
+def prompt_stream(records, prompts: int, seed: int, rank: int = 0, world: int = 1) -> BatchStream:
+    """The trainer's data stream under GRPO: shuffled record indices, `prompts` per process per micro-batch, each
+    with its place in the global stream (`example_id`, which keys its rollouts); exact on resume."""
+    return BatchStream(list(range(len(records))), prompts, _indices, seed=seed, rank=rank, world_size=world)
+
+
+def required_fields(recipe) -> tuple[str, ...]:
+    """The fields every training record needs: prompt and response; under GRPO the prompt and what the rewards
+    read (a record that lacks one is refused naming its file and line)."""
+    if recipe.train.objective != "grpo":
+        return ("prompt", "response")
+    need = {"tinymath": ("answer",), "answer": ("answer",), "unit_tests": ("test", "entry_point")}
+    return ("prompt", *sorted({f for t in recipe.rl.reward for f in need.get(t.name, ())}))
+
+
 def unwrapped(model):
     """The module under a DDP / DeepSpeed wrapper (rollouts and the reference run there: no gradient sync)."""
     return getattr(model, "module", model)
@@ -102,12 +117,11 @@ class GRPOObjective:
         self._pending: dict | None = None
 
     def attach(self, stream, collate, carry_dim) -> None:
-        """The SFT stream is not used: prompts come from `bind`'s records."""
+        """The trainer's stream of record indices (`prompt_stream`): it draws the prompts and checkpoints them."""
+        self.stream = stream
 
     def bind(self, model, records, tok, build_reference) -> None:
         self.model, self.records, self.tok = model, records, tok
-        self.stream = BatchStream(list(range(len(records))), self.recipe.train.batch_size // self.G, _indices,
-                                  seed=self.seed, rank=self.rank, world_size=self.world)
         inner = unwrapped(model)
         spec = inner.spec
         if spec.family != self.rl.family:
@@ -246,14 +260,13 @@ class GRPOObjective:
 
     # ---- checkpoints ----------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        assert self.stream is not None
-        return {"stream": self.stream.state_dict(), "buffer": {m: r.state() for m, r in self.buffer.items()}}
+        """The current cycle's rollouts (the prompt stream is the trainer's, checkpointed with it)."""
+        return {"buffer": {m: r.state() for m, r in self.buffer.items()}}
 
     def load_state_dict(self, state: dict) -> None:
-        if self.stream is None:  # before bind: kept until then
+        if self.model is None:  # before bind: kept until then
             self._pending = state
             return
         self._pending = None
-        self.stream.load_state_dict(state["stream"])
         device = model_device(unwrapped(self.model))
         self.buffer = {int(m): Rollout.from_state(s, device) for m, s in state["buffer"].items()}
