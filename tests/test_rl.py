@@ -342,3 +342,10 @@ def test_dry_run_counts_grpo_passes_reference_and_rollouts():
     assert elbo["micro_batch"]["sequences"] == 4 * base["micro_batch"]["sequences"]
     once = estimate(load_recipe(path, ["rl.inner_steps=1"]), path)
     assert once["flops_per_update"] > base["flops_per_update"]  # the recipe's mu = 4 shares each rollout
+
+
+def test_unit_test_reward_runs_the_records_tests_in_the_sandbox():
+    record = {"prompt": "def add(a, b):\n", "test": "def check(f):\n    assert f(1, 2) == 3\n", "entry_point": "add"}
+    completions = ["    return a + b\n", "    return a - b\n", "    import socket\n    return 3\n"]
+    scores = Rewards([RewardTerm(name="unit_tests")])([record] * 3, completions)
+    assert scores.terms["unit_tests"] == [1.0, 0.0, 0.0] and scores.failures["unit_tests"] == 0

@@ -132,9 +132,7 @@ class GRPOObjective:
             self.reference = build_reference().to(model_device(inner)).eval().requires_grad_(False)
         self.options = self.recipe.eval.sampling_options(spec.family)
         self.max_new = self.rl.max_new_tokens or self.recipe.eval.max_new_tokens
-        # every prompt encoded once, as evaluation encodes it; one too long for the context keeps its end (one line
-        # on stderr says how many did)
-        self.prompt_ids = encode_prompts(tok, records, inner, self.max_new, truncate=True)
+        self.prompt_ids: dict[int, list[int]] = {}  # each prompt encoded when first drawn (`_prompts`)
         if self._pending is not None:
             self.load_state_dict(self._pending)
 
@@ -159,7 +157,7 @@ class GRPOObjective:
         training = inner.training
         inner.eval()
         try:
-            comp, texts, nfe = self._sample(inner, [self.prompt_ids[i] for i in index], keys)
+            comp, texts, nfe = self._sample(inner, self._prompts(inner, index), keys)
             rollout_s = time.perf_counter() - t0
             scores = self.rewards([r for r in records for _ in range(self.G)], texts)
             reward = torch.tensor(scores.total).view(-1, self.G)
@@ -170,12 +168,21 @@ class GRPOObjective:
         finally:
             inner.train(training)
         metrics = {"rl/reward": float(reward.mean()), "rl/reward_group_std": float(std.mean()),
-                   "rl/solved_groups": float((reward.max(-1).values > reward.min(-1).values).float().mean()),
+                   "rl/mixed_groups": float((reward.max(-1).values > reward.min(-1).values).float().mean()),
                    "rl/nfe": sum(nfe) / len(nfe), "rl/length": float(comp.scored.sum(-1).float().mean()),
                    "rl/reward_failures": float(sum(scores.failures.values())), "rl/rollout_s": rollout_s,
                    "rl/reward_s": time.perf_counter() - t0 - rollout_s}
         metrics |= {f"rl/reward_{k}": sum(v) / len(v) for k, v in scores.terms.items() if len(scores.terms) > 1}
         return Rollout(cycle, comp, adv, old, metrics)
+
+    def _prompts(self, model, index: list[int]) -> list[list[int]]:
+        """The records' prompts as evaluation encodes them (chat template), each once; one too long for the context
+        keeps its end (a line on stderr says so)."""
+        new = [i for i in dict.fromkeys(index) if i not in self.prompt_ids]
+        if new:
+            ids = encode_prompts(self.tok, [self.records[i] for i in new], model, self.max_new, truncate=True)
+            self.prompt_ids.update(zip(new, ids))
+        return [self.prompt_ids[i] for i in index]
 
     @torch.no_grad()
     def _sample(self, model, prompts, keys) -> tuple[Completions, list[str], list[int]]:
