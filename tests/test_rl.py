@@ -349,3 +349,11 @@ def test_unit_test_reward_runs_the_records_tests_in_the_sandbox():
     completions = ["    return a + b\n", "    return a - b\n", "    import socket\n    return 3\n"]
     scores = Rewards([RewardTerm(name="unit_tests")])([record] * 3, completions)
     assert scores.terms["unit_tests"] == [1.0, 0.0, 0.0] and scores.failures["unit_tests"] == 0
+
+
+def test_grpo_refuses_a_start_of_another_family(starts, tmp_path):
+    from dlm.errors import DlmError
+
+    with pytest.raises(DlmError, match="rl.family is masked, but .* is of family autoregressive: set rl.family"):
+        train_grpo(grpo_recipe(tmp_path / "x", starts, "train.steps=1", f"model.init_from={starts[4]}",
+                               "model.attention=causal"))

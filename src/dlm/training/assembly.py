@@ -31,6 +31,10 @@ def build_model(recipe: Recipe, tok, source: ResolvedModel | None = None) -> Dif
     spec = model_spec(recipe, tok.mask_token_id, tok.eos_token_id, tok.pad_token_id)
     source = source or init_source(recipe)
     released = _diffusion_spec(source) if source is not None else None
+    if recipe.train.objective == "grpo" and source is not None and source.spec is not None and \
+            source.spec.family != recipe.rl.family:
+        raise RecipeError(f"rl.family is {recipe.rl.family}, but {cfg.init_from} is of family {source.spec.family}: "
+                          f"set rl.family: {source.spec.family} (RL post-trains the policy it starts from)")
     if released is not None and released.label_shift != cfg.label_shift:  # e.g. Dream reads token i at output i-1
         raise RecipeError(f"model.label_shift: {str(cfg.label_shift).lower()}, but {cfg.init_from} was trained with "
                           f"label shift {'on' if released.label_shift else 'off'}: set model.label_shift: "

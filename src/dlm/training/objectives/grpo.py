@@ -30,6 +30,7 @@ import torch
 
 from dlm.data.pipeline import BatchStream
 from dlm.data.prompts import encode_prompts
+from dlm.errors import DlmError
 from dlm.evaluation.rewards import Rewards
 from dlm.modeling.blocks import num_blocks
 from dlm.modeling.device import make_generator, model_device
@@ -92,7 +93,7 @@ def adapters_off(model):
 
     layers = [m for m in unwrapped(model).modules() if isinstance(m, BaseTunerLayer)]
     if not layers:
-        raise RuntimeError("rl.reference adapters: the model has no LoRA adapters (set train.lora)")
+        raise DlmError("rl.reference adapters: the model has no LoRA adapters (set train.lora)")
     for m in layers:
         m.enable_adapters(False)
     try:
@@ -124,8 +125,6 @@ class GRPOObjective:
         self.model, self.records, self.tok = model, records, tok
         inner = unwrapped(model)
         spec = inner.spec
-        if spec.family != self.rl.family:
-            raise RuntimeError(f"rl.family is {self.rl.family!r} but the model is {spec.family!r}")
         self.block = spec.block_size if spec.attention == "block_causal" else None
         self.rewards = Rewards(self.rl.reward, self.rl.reward_timeout, device=model_device(inner))
         if self.rl.reference == "frozen" and self.rl.kl_beta:
