@@ -275,8 +275,8 @@ def markdown(table) -> str:
             continue
         lines += [f"### {dataset}", "", f"Seeds {', '.join(map(str, sorted({r['seed'] for r in base})))}.", "",
                   "| decoder | exact | seeds | accuracy % | vs fast-dllm (points) | TPF | x fast-dllm TPF | NFE | "
-                  "x AR tok/s b1 fp32 | x AR tok/s b16 fp32 | x AR tok/s b1 bf16 | accuracy bf16 % (speed-n) |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "x AR tok/s b1 fp32 | x AR tok/s b16 fp32 | x AR tok/s b1 bf16 | x AR tok/s b16 bf16 | "
+                  "accuracy bf16 % (speed-n) |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         base_tpf, seeds = _mean(base, "tpf"), {r["seed"] for r in base}
         for name in ["ar", "ar-parent", *DECODERS]:  # over the seeds with a block model: every row the same seeds
             rows = [r for r in _rows(table, dataset=dataset, decoder=name, dtype="float32", batch_size=16)
@@ -293,6 +293,7 @@ def markdown(table) -> str:
                 f"{_fmt(_ratio(table, dataset, name, 'float32', 1)[0], '{:.2f}')} | "
                 f"{_fmt(_ratio(table, dataset, name, 'float32', 16)[0], '{:.2f}')} | "
                 f"{_fmt(_ratio(table, dataset, name, 'bfloat16', 1)[0], '{:.2f}')} | "
+                f"{_fmt(_ratio(table, dataset, name, 'bfloat16', 16)[0], '{:.2f}')} | "
                 f"{_fmt(100 * _mean(bf, 'accuracy') if bf else None)} |")
         lines.append("")
     full = [r for r in table["rows"] if r["decoder"] in FULL_DECODERS]

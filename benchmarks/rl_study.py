@@ -187,7 +187,8 @@ def _comparisons(cells: dict, seeds: list[int]) -> list[str]:
         verdict = judge(d, 100 * low, 100 * high, len(have), r["same_sign"], expect, effect=effect) \
             if low is not None else "one seed"
         per_seed = ", ".join(f"{100 * x:+.1f}" for x in r["per_seed_difference"])
-        rows.append(f"| {a} − {b} | {on} | {len(have)} | {100 * r['accuracy_a']:.1f} | {100 * r['accuracy_b']:.1f} | "
+        acc_a, acc_b = r.get("accuracy_a", r.get("mean_a")), r.get("accuracy_b", r.get("mean_b"))
+        rows.append(f"| {a} − {b} | {on} | {len(have)} | {100 * acc_a:.1f} | {100 * acc_b:.1f} | "
                     f"{d:+.1f} {ci} | {per_seed} | {verdict} |")
     return rows
 
