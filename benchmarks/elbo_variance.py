@@ -10,8 +10,8 @@ length share them), 3 mask seeds each (the spread is the estimator's); the AR mo
 reference. Both choices of an item have the same token length where the flip keeps it; items where it does not fall
 back to independent masks under either setting (the table counts them).
 
-    OMP_NUM_THREADS=1 python benchmarks/elbo_variance.py --out docs/results/elbo-variance.json \\
-        --doc docs/results/elbo-variance.md
+    OMP_NUM_THREADS=1 python benchmarks/elbo_variance.py --out docs/results/elbo-variance-block.json \\
+        --doc docs/results/elbo-variance.md --name block
 """
 
 from __future__ import annotations
@@ -83,8 +83,13 @@ def main() -> None:
     p.add_argument("--mc", default="1,4,16,64,128")
     p.add_argument("--seeds", type=int, default=3, help="mask seeds per setting")
     p.add_argument("--out", default="runs/elbo-variance.json")
-    p.add_argument("--doc", type=Path, help="write the table into this doc between <!-- elbo:begin/end -->")
+    p.add_argument("--doc", type=Path, help="write the table into this doc between <!-- elbo-NAME:begin/end -->")
+    p.add_argument("--name", default="block", help="the doc section's name (its markers)")
+    p.add_argument("--report", action="store_true", help="only write --out's table into --doc (no scoring)")
     args = p.parse_args()
+    if args.report:
+        write_doc(json.loads((ROOT / args.out).read_text()), args.doc, args.name)
+        return
     from dlm.data.sources import read_jsonl
     from dlm.sampling import load_for_inference
 
@@ -105,12 +110,16 @@ def main() -> None:
     table = {"date": datetime.date.today().isoformat(), "masked": args.masked, "ar": args.ar, "n": len(pairs),
              "same_length": same, "rows": rows}
     (ROOT / args.out).write_text(json.dumps(table) + "\n")
-    text = report(table)
-    print(text)
+    print(report(table))
     if args.doc:
-        body = args.doc.read_text()
-        a, b = body.index("<!-- elbo:begin -->"), body.index("<!-- elbo:end -->")
-        args.doc.write_text(body[: a + len("<!-- elbo:begin -->")] + "\n" + text + "\n" + body[b:])
+        write_doc(table, args.doc, args.name)
+
+
+def write_doc(table: dict, doc: Path, name: str) -> None:
+    begin, end = f"<!-- elbo-{name}:begin -->", f"<!-- elbo-{name}:end -->"
+    body = doc.read_text()
+    a, b = body.index(begin), body.index(end)
+    doc.write_text(body[: a + len(begin)] + "\n" + report(table) + "\n" + body[b:])
 
 
 def report(table: dict) -> str:
