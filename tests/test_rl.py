@@ -189,7 +189,7 @@ def test_inner_steps_use_the_sampling_policy_as_old_and_clip():
     comp = Completions([PROMPTS[0], PROMPTS[0]], CANVAS[:2].clone(), SCORED[:2].clone(), torch.tensor([0, 0]))
     adv = torch.tensor([1.0, -1.0])
     obj.buffer[0] = Rollout(0, comp, adv, None, {})
-    obj.buffer[0].old = obj._old_logps(comp, adv, 0)
+    obj.buffer[0].old = obj._old_logps(model, comp, adv, 0)
     opt = torch.optim.SGD(model.parameters(), lr=2.0)
     first = obj.loss(model, None, {"micro": 0, "inner": 0})
     assert first[2]["rl/clip_frac"] == 0.0  # step 0: the policy is the sampling policy

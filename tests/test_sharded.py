@@ -43,7 +43,7 @@ COMMON = ["train.steps=3", "train.checkpoint_every=100", "data.n_test=2"]
 
 
 def _grpo(one: Path) -> list[str]:
-    """GRPO (DDP only: sharded strategies refuse it) from the 1-process MDM, rewarded by the 1-process reward model;
+    """GRPO (DDP; FSDP2 rolls out on a gathered copy) from the 1-process MDM, rewarded by the 1-process reward model;
     2 processes x 2 prompts x G = 2 completions against 1 process x 4 prompts. The rollouts, masks and rewards of a
     prompt are keyed by its place in the global stream, so both layouts sample, score and normalise the same rows."""
     return ["train.objective=grpo", "model.attention=bidirectional", f"model.init_from={one / 'mdm' / 'model'}",
@@ -119,7 +119,7 @@ class Runs:
         if part == "one":
             return _References(self)
         self / "one" / "ar"  # the 1-process runs write the shared data first, as they always did
-        if part == "ddp":  # GRPO's policy and reward model
+        if part in ("ddp", "fsdp"):  # GRPO's policy and reward model
             self / "one" / "mdm", self / "one" / "reward"
         self._make(part, lambda: _launch_mode(self.root, part))
         return self.root / part
@@ -150,7 +150,7 @@ def _launch_mode(root: Path, mode: str) -> None:  # 2 processes × b
                out)
         return
     jobs = [_job(out, data, name, *COMMON, *extra) for name, extra in OBJECTIVES.items()]
-    if mode == "ddp":
+    if mode in ("ddp", "fsdp"):
         jobs.append(_job(out, data, "grpo", *COMMON, *_grpo(root / "one")))
     if mode == "fsdp":  # bf16: shards gathered as bf16 copies (MixedPrecisionPolicy), gradients reduced in fp32
         jobs.append(_job(out, data, "mdm-bf16", *COMMON, *OBJECTIVES["mdm"], "train.precision=bf16"))
@@ -182,7 +182,7 @@ def max_diff(a: dict, b: dict) -> float:
 
 
 @pytest.mark.parametrize("mode,objective", [(m, o) for m in ("ddp", "fsdp") for o in OBJECTIVES]
-                         + [("hsdp", "ar"), ("ddp", "grpo")])
+                         + [("hsdp", "ar"), ("ddp", "grpo"), ("fsdp", "grpo")])
 def test_two_processes_match_one_process_with_double_batch(runs, mode, objective):
     ref, got = losses(runs / "one" / objective), losses(runs / mode / objective)
     assert len(got) == len(ref) == 3

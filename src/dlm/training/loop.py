@@ -68,9 +68,9 @@ class Trainer:
         self.owns_data = attach is not None
         if attach is not None:
             attach(self.stream, collate, self.unwrapped.config.hidden_size)
-        bind = getattr(self.objective, "bind", None)  # RL: rollouts need the model, the records and the tokenizer
-        if bind is not None:
-            bind(self.model, self.splits["train"], self.tok, self._starting_model)
+        if bind := getattr(self.objective, "bind", None):  # RL: rollouts need the model, records and tokenizer
+            bind(self.model, self.splits["train"], self.tok, self._starting_model,
+                 partial(self.parallel.replica, self.model, partial(build_model, recipe, self.tok, self.source)))
         self.ema = EMA(self.unwrapped, tc.ema_decay) if tc.ema_decay else None
         self.step, self.tokens_seen = 0, 0
         self.skipped_updates, self.skipped_in_a_row = 0, 0  # updates skipped for a NaN/inf loss or gradient

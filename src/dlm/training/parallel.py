@@ -75,10 +75,10 @@ def from_accelerate_config(cfg: dict, processes: int, where: str | Path) -> Para
 def refusals(backend: str, recipe: Recipe) -> list[str]:
     """What the trainer refuses to run under `backend` (one message per reason; empty when it runs)."""
     tc, out = recipe.train, []
-    if tc.objective == "grpo" and backend in ("fsdp2", "zero3"):
-        out.append(f"train.objective: grpo runs one process or DDP, not {backend}: its rollouts run the sampler on "
-                   "the unwrapped model, a number of passes that differs between ranks, which sharded weights "
-                   "(gathered collectively at every pass) cannot follow")
+    if tc.objective == "grpo" and backend == "zero3":
+        out.append("train.objective: grpo runs one process, DDP or FSDP2, not zero3: its rollouts make a number of "
+                   "passes that differs between ranks, which ZeRO-3's partitioned weights (gathered collectively at "
+                   "every pass) cannot follow; FSDP2 rolls out on a gathered copy")
     if backend != "zero3":
         return out
     if tc.objective in ZERO3_OBJECTIVES_REFUSED:  # see sharding.forward_with_inputs
@@ -179,6 +179,20 @@ class Replicated:
             unwrapped = self.acc.unwrap_model(model)
             with ema.applied(unwrapped) if ema is not None else nullcontext(unwrapped) as whole:
                 yield whole
+
+    @contextmanager
+    def replica(self, model, build):
+        """The whole model on every process, for passes that ranks make in different numbers (RL rollouts): the live
+        module where it is whole; where the weights are partitioned, a copy made by `build` and loaded with the
+        gathered weights (a collective: every process enters)."""
+        if not self.gathers:
+            yield self.acc.unwrap_model(model)
+            return
+        state = sharding.full_state_dict(model, everywhere=True)
+        with self.building():
+            whole = build()
+        whole.load_state_dict(state)
+        yield whole.to(self.acc.device)
 
     def save_state(self, directory: Path, model, optimizer, ema) -> None:
         """Write this process's part of a checkpoint beside the files every rank writes (a collective where the

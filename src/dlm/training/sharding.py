@@ -150,12 +150,12 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The full state dict of a sharded model on CPU, on rank 0 (empty elsewhere; a collective); keys as in the
-    unsharded model."""
+def full_state_dict(model: torch.nn.Module, everywhere: bool = False) -> dict[str, torch.Tensor]:
+    """The full state dict of a sharded model on CPU, on rank 0 (empty elsewhere; a collective); with `everywhere`,
+    on every rank, on the model's device. Keys as in the unsharded model."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=not everywhere))
     first: dict[int, str] = {}  # tied weights (embedding = LM head) stay one tensor, as save_pretrained expects
     for name, p in model.named_parameters(remove_duplicate=False):
         kept = first.setdefault(id(p), name)

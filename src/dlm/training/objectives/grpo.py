@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -115,14 +116,18 @@ class GRPOObjective:
         self.buffer: dict[int, Rollout] = {}
         self.stream: BatchStream | None = None
         self.model = self.reference = None
+        self.replica: Callable[[], contextlib.AbstractContextManager] | None = None
         self._pending: dict | None = None
 
     def attach(self, stream, collate, carry_dim) -> None:
         """The trainer's stream of record indices (`prompt_stream`): it draws the prompts and checkpoints them."""
         self.stream = stream
 
-    def bind(self, model, records, tok, build_reference) -> None:
+    def bind(self, model, records, tok, build_reference, replica=None) -> None:
+        """`replica()`: a context giving the whole model on this process for rollouts (the strategy's: the live
+        module, or under FSDP2 a gathered copy); default the unwrapped model."""
         self.model, self.records, self.tok = model, records, tok
+        self.replica = replica or (lambda: contextlib.nullcontext(unwrapped(model)))
         inner = unwrapped(model)
         spec = inner.spec
         self.block = spec.block_size if spec.attention == "block_causal" else None
@@ -152,7 +157,11 @@ class GRPOObjective:
         index = batch["input_ids"][:, 0].tolist()
         records = [self.records[i] for i in index]
         keys = batch["example_id"].tolist()
-        inner = unwrapped(self.model)
+        assert self.replica is not None, "bind() first"
+        with self.replica() as inner:
+            return self._score_rollouts(inner, cycle, t0, index, records, keys)
+
+    def _score_rollouts(self, inner, cycle: int, t0: float, index, records, keys) -> Rollout:
         training = inner.training
         inner.eval()
         try:
@@ -163,7 +172,7 @@ class GRPOObjective:
             centred = reward - reward.mean(-1, keepdim=True)
             std = reward.std(-1, keepdim=True, unbiased=False)
             adv = (centred / (std + 1e-4) if self.rl.scale_rewards else centred).flatten().to(comp.canvas.device)
-            old = self._old_logps(comp, adv, cycle) if self.rl.inner_steps > 1 else None
+            old = self._old_logps(inner, comp, adv, cycle) if self.rl.inner_steps > 1 else None
         finally:
             inner.train(training)
         metrics = {"rl/reward": float(reward.mean()), "rl/reward_group_std": float(std.mean()),
@@ -218,8 +227,7 @@ class GRPOObjective:
                            spg_beta=self.rl.spg_beta, spg_mix=self.rl.spg_mix)
 
     @torch.no_grad()
-    def _old_logps(self, comp: Completions, adv: torch.Tensor, cycle: int) -> list[torch.Tensor]:
-        model = unwrapped(self.model)
+    def _old_logps(self, model, comp: Completions, adv: torch.Tensor, cycle: int) -> list[torch.Tensor]:
         return [self._logps(model, comp, self._masks(comp, cycle, j), adv) for j in range(self.rl.inner_steps)]
 
     @torch.no_grad()
