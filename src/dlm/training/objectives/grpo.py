@@ -168,10 +168,10 @@ class GRPOObjective:
             comp, texts, nfe = self._sample(inner, self._prompts(inner, index), keys)
             rollout_s = time.perf_counter() - t0
             scores = self.rewards([r for r in records for _ in range(self.G)], texts)
-            reward = torch.tensor(scores.total).view(-1, self.G)
+            reward = torch.tensor(scores.total, device=comp.canvas.device).view(-1, self.G)
             centred = reward - reward.mean(-1, keepdim=True)
             std = reward.std(-1, keepdim=True, unbiased=False)
-            adv = (centred / (std + 1e-4) if self.rl.scale_rewards else centred).flatten().to(comp.canvas.device)
+            adv = (centred / (std + 1e-4) if self.rl.scale_rewards else centred).flatten()
             old = self._old_logps(inner, comp, adv, cycle) if self.rl.inner_steps > 1 else None
         finally:
             inner.train(training)
@@ -213,7 +213,7 @@ class GRPOObjective:
             nfe += out.nfe
         canvas_t = torch.tensor(canvas, dtype=torch.long, device=device)
         scored_t = torch.arange(W, device=device)[None, :] < torch.tensor(scored, device=device)[:, None]
-        groups = torch.tensor(keys, dtype=torch.long).repeat_interleave(self.G)
+        groups = torch.tensor(keys, dtype=torch.long, device="cpu").repeat_interleave(self.G)  # keys masks, on the CPU
         return Completions([p for p in prompts for _ in range(self.G)], canvas_t, scored_t, groups), texts, nfe
 
     # ---- the loss -------------------------------------------------------------------------------------------------

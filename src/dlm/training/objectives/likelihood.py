@@ -137,8 +137,8 @@ def token_logps(model, comp: Completions, kind: str, masks: Draw, *, pad_id: int
     canvas = comp.canvas.tolist()
     if kind == "mean_field":
         assert masks.prompt_masks is not None
-        noised_prompts = [torch.tensor(p).masked_fill(m, mask_id).tolist() for p, m in zip(comp.prompts,
-                                                                                          masks.prompt_masks)]
+        noised_prompts = [torch.tensor(p, device="cpu").masked_fill(m, mask_id).tolist()
+                          for p, m in zip(comp.prompts, masks.prompt_masks)]
         inputs = [p + [mask_id] * len(c) for p, c in zip(noised_prompts, canvas)]
         targets = [p + c for p, c in zip(noised_prompts, canvas)]
         return _masked_pass(model, comp, inputs, targets, pad_id, mask_id) * comp.scored
