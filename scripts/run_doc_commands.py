@@ -41,7 +41,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DOCS = ["README.md", "docs/guides/evaluation.md", "docs/guides/real-models.md", "docs/guides/memory.md",
-                "docs/guides/multi-gpu.md", "docs/guides/serving-at-scale.md"]
+                "docs/guides/multi-gpu.md", "docs/guides/serving-at-scale.md", "docs/guides/rl.md"]
 LINKED = ("recipes", "benchmarks", "scripts", "docs", ".venv", "src", "pyproject.toml")
 PARSE_ONLY_BLOCK = re.compile(r"<!--\s*doc-commands:\s*parse-only\b(.*?)-->")
 NEEDS = re.compile(r"#\s*needs\b(.*)$")
