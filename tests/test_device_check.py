@@ -325,7 +325,7 @@ def test_a_cpu_generator_for_accelerator_tensors_raises():
 FACTORIES = {"zeros", "ones", "full", "empty", "arange", "rand", "randn", "randint", "randperm", "tensor", "eye",
              "linspace", "as_tensor", "Generator"}
 CPU_BY_DESIGN = {  # functions whose tensors are made on the CPU on purpose (and moved before they meet the model's)
-    "evaluation/elbo.py": {"_right_pad", "request_generator", "sample_masks", "_groups", "_elbo_jobs", "_score_chunk"},
+    "evaluation/elbo.py": {"right_pad", "request_generator", "sample_masks", "_groups", "_elbo_jobs", "_score_chunk"},
     "sampling/trace.py": {"render_steps"},  # draws a trace, whose steps are on the CPU
 }
 

@@ -365,9 +365,8 @@ CPU_BY_DESIGN = {  # per-example noise, the PU pool's side and per-batch choices
     "bridges.py": {"gumbel_noise"},
     "simplex.py": {"plan"},
     # RL: the prompt stream's indices, each group's masks (drawn on the CPU from keyed generators, moved before use)
-    # and the rows padded on the CPU before one move
     "grpo.py": {"_indices"},
-    "likelihood.py": {"group_generator", "draw", "_right_pad"},
+    "likelihood.py": {"group_generator", "draw"},
 }
 
 

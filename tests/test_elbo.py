@@ -1,6 +1,6 @@
 """`dlm.evaluation.elbo` piece by piece: the masked ELBO of every masked layout (full canvas, block-causal, with and
 without a carry) against a slow one-row-at-a-time reference built from the same masks, the greedy flag at its
-boundaries, the helpers (`_fit`'s truncation and refusals, `_right_pad`, `_by_length`, `_groups`, `context_length`),
+boundaries, the helpers (`_fit`'s truncation and refusals, `right_pad`, `_by_length`, `_groups`, `context_length`),
 the per-request generator's seed, the stratified masks, the defaults `loglikelihood` hands on and the NFE count."""
 
 import re
@@ -15,7 +15,6 @@ from dlm.evaluation.elbo import (
     _by_length,
     _fit,
     _groups,
-    _right_pad,
     ar_loglikelihood,
     context_length,
     forward_passes,
@@ -23,6 +22,7 @@ from dlm.evaluation.elbo import (
     masked_logits,
     masked_loglikelihood,
     request_generator,
+    right_pad,
     sample_masks,
 )
 from dlm.modeling.blocks import block_forward
@@ -165,7 +165,7 @@ def test_fit_refusals_say_what_is_empty():
 
 
 def test_right_pad():
-    ids, mask = _right_pad([(5, 6, 7), [8], [9, 10]], pad_id=4)
+    ids, mask = right_pad([(5, 6, 7), [8], [9, 10]], pad_id=4)
     assert ids.dtype == mask.dtype == torch.long
     assert ids.tolist() == [[5, 6, 7], [8, 4, 4], [9, 10, 4]]
     assert mask.tolist() == [[1, 1, 1], [1, 0, 0], [1, 1, 0]]

@@ -47,7 +47,7 @@ def _fit(pairs: Sequence[Pair], limit: int | None, room: int) -> list[tuple[list
     return out
 
 
-def _right_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def right_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     mask = torch.zeros(len(rows), width, dtype=torch.long)
@@ -73,7 +73,7 @@ def ar_loglikelihood(model, pairs: Sequence[Pair], *, batch_size: int = 8, pad_i
     for start in range(0, len(order), batch_size):
         chunk = order[start : start + batch_size]
         rows = [(pairs[i][0] + pairs[i][1])[:-1] for i in chunk]
-        ids, mask = (t.to(device) for t in _right_pad(rows, pad_id))
+        ids, mask = (t.to(device) for t in right_pad(rows, pad_id))
         logp = torch.log_softmax(model(ids, attention_mask=mask).float(), dim=-1)
         for row, i in enumerate(chunk):
             ctx, cont = pairs[i]
@@ -125,12 +125,12 @@ def masked_logits(model, rows, prompt_lens, pad_id: int, mask_id: int, targets) 
         S = spec.block_size
         widths = [p + -(-(len(r) - p) // S) * S for r, p in zip(rows, prompt_lens)]
         pad = [list(r) + [mask_id] * (w - len(r)) for r, w in zip(rows, widths)]
-        canvas, _ = _right_pad(pad, pad_id)
-        target, _ = _right_pad([list(t) + [mask_id] * (w - len(t)) for t, w in zip(targets, widths)], pad_id)
+        canvas, _ = right_pad(pad, pad_id)
+        target, _ = right_pad([list(t) + [mask_id] * (w - len(t)) for t, w in zip(targets, widths)], pad_id)
         carry = torch.zeros(*canvas.shape, inner.config.hidden_size, device=device) if spec.carry else None
         return block_forward(model, canvas.to(device), target.to(device), torch.tensor(prompt_lens, device=device),
                              torch.tensor(widths, device=device), carry=carry)
-    ids, mask = (t.to(device) for t in _right_pad(rows, pad_id))
+    ids, mask = (t.to(device) for t in right_pad(rows, pad_id))
     if spec.carry:
         carry = torch.zeros(*ids.shape, inner.config.hidden_size, device=device)
         return model(ids, attention_mask=mask, carry=carry, return_hidden=True)[0]

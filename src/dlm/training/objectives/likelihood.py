@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dlm.evaluation.elbo import masked_logits, sample_masks
+from dlm.evaluation.elbo import masked_logits, right_pad, sample_masks
 
 ESTIMATORS = ("mean_field", "elbo", "spg")
 
@@ -98,21 +98,12 @@ def _token_logps(logits: torch.Tensor, starts: torch.Tensor, canvas: torch.Tenso
     return span.gather(-1, canvas[..., None]).squeeze(-1) - torch.logsumexp(span, -1)
 
 
-def _right_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    att = torch.zeros(len(rows), width, dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, : len(r)], att[i, : len(r)] = torch.tensor(r, dtype=torch.long), 1
-    return ids.to(device), att.to(device)
-
-
 def exact_logps(model, comp: Completions, pad_id: int) -> torch.Tensor:
     """AR: log π(o_i | q, o_<i) per completion position [R, W] (0 past the scored tokens)."""
     device = comp.canvas.device
     n = comp.scored.sum(-1).tolist()
     rows = [p + comp.canvas[i, : max(n[i], 1)].tolist() for i, p in enumerate(comp.prompts)]
-    ids, att = _right_pad(rows, pad_id, device)
+    ids, att = (t.to(device) for t in right_pad(rows, pad_id))
     logits = model(ids, attention_mask=att)
     starts = torch.tensor([len(p) - 1 for p in comp.prompts], device=device)
     return _token_logps(logits, starts, comp.canvas) * comp.scored
