@@ -63,7 +63,7 @@ def build_objective(name: str, recipe, mask_token_id: int | None = None, rank: i
     if name == "grpo":
         from dlm.training.objectives.grpo import GRPOObjective
 
-        return GRPOObjective(recipe, rank, world)
+        return GRPOObjective(recipe)  # the trainer's prompt stream splits the prompts across ranks
     if name == "reward":
         from dlm.training.objectives.reward import RewardObjective
 

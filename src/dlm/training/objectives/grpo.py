@@ -108,8 +108,8 @@ class GRPOObjective:
     """GRPO with diffusion-LM likelihood estimators (module docstring). The trainer calls `attach` (it owns its data)
     and `bind` (the model, the records, the tokenizer and a builder of the starting model) before the first update."""
 
-    def __init__(self, recipe, rank: int = 0, world: int = 1):
-        self.recipe, self.rl, self.rank, self.world = recipe, recipe.rl, rank, world
+    def __init__(self, recipe):
+        self.recipe, self.rl = recipe, recipe.rl
         self.seed = recipe.train.seed
         self.G = self.rl.group_size
         self.kind = "exact" if self.rl.family == "autoregressive" else self.rl.estimator
