@@ -90,10 +90,14 @@ def has_solution(text: str) -> bool:
 
 
 class Rewards:
-    """The weighted sum of `terms` (`dlm.config.RewardTerm`s); `__call__(records, completions) -> Scores`."""
+    """The weighted sum of `terms` (`dlm.config.RewardTerm`s); `__call__(records, completions) -> Scores`.
+    `batch_size`: rows per reward-model forward. GRPO passes its group size, so a prompt's completions are scored as
+    one batch of their own whose bits do not depend on the other prompts of the update (padding, batch shape), the
+    same in every process layout; that matters because a group whose rewards nearly tie turns float noise in them
+    into O(1) differences of its normalised advantages."""
 
-    def __init__(self, terms, timeout: float = 1.0, device=None):
-        self.terms, self.timeout, self.device = list(terms), timeout, device
+    def __init__(self, terms, timeout: float = 1.0, device=None, batch_size: int = 50):
+        self.terms, self.timeout, self.device, self.batch_size = list(terms), timeout, device, batch_size
         self._reward_models: dict[str, tuple] = {}
 
     def __call__(self, records: Sequence[dict], completions: Sequence[str]) -> Scores:
@@ -128,4 +132,4 @@ class Rewards:
         if path not in self._reward_models:
             self._reward_models[path] = load_for_inference(path, device=self.device or "cpu")
         model, tok = self._reward_models[path]
-        return score_texts(model, tok, [r["prompt"] for r in records], list(completions))
+        return score_texts(model, tok, [r["prompt"] for r in records], list(completions), self.batch_size)

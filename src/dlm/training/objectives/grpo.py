@@ -131,7 +131,7 @@ class GRPOObjective:
         inner = unwrapped(model)
         spec = inner.spec
         self.block = spec.block_size if spec.attention == "block_causal" else None
-        self.rewards = Rewards(self.rl.reward, self.rl.reward_timeout, device=model_device(inner))
+        self.rewards = Rewards(self.rl.reward, self.rl.reward_timeout, device=model_device(inner), batch_size=self.G)
         if self.rl.reference == "frozen" and self.rl.kl_beta:
             self.reference = build_reference().to(model_device(inner)).eval().requires_grad_(False)
         self.options = self.recipe.eval.sampling_options(spec.family)
@@ -168,10 +168,11 @@ class GRPOObjective:
             comp, texts, nfe = self._sample(inner, self._prompts(inner, index), keys)
             rollout_s = time.perf_counter() - t0
             scores = self.rewards([r for r in records for _ in range(self.G)], texts)
-            reward = torch.tensor(scores.total, device=comp.canvas.device).view(-1, self.G)
+            # float64: a group's centred rewards stay exactly opposite when they nearly tie (G = 2: ±std)
+            reward = torch.tensor(scores.total, dtype=torch.float64, device=comp.canvas.device).view(-1, self.G)
             centred = reward - reward.mean(-1, keepdim=True)
             std = reward.std(-1, keepdim=True, unbiased=False)
-            adv = (centred / (std + 1e-4) if self.rl.scale_rewards else centred).flatten()
+            adv = (centred / (std + 1e-4) if self.rl.scale_rewards else centred).flatten().float()
             old = self._old_logps(inner, comp, adv, cycle) if self.rl.inner_steps > 1 else None
         finally:
             inner.train(training)
