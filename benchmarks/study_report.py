@@ -47,6 +47,9 @@ def main(argv=None) -> None:
         for path in (args.out, args.plot, args.curves):  # a doc or plot in a folder not made yet: make it, no traceback
             if path:
                 Path(path).parent.mkdir(parents=True, exist_ok=True)
+        if not table.cells and (args.plot or args.curves):  # a plot with no point in it says nothing
+            print("no cell yet: no plot written")
+            args.plot = args.curves = None
         if args.plot:
             plot(table, args.plot)
         if args.curves:

@@ -355,6 +355,18 @@ def test_study_report_writes_the_marked_section_from_a_synthetic_table(tmp_path)
     assert "](../pics/p.png)" in moved and "](../synthetic.json)" in moved and "](../synthetic.yaml)" in moved
 
 
+def test_study_report_writes_no_empty_plot_before_any_cell(tmp_path, capsys):
+    import study_report
+
+    plan_path = tmp_path / "synthetic.yaml"
+    plan_path.write_text(REPORT_PLAN)
+    out, png = tmp_path / "doc.md", tmp_path / "p.png"
+    study_report.main([str(plan_path), "--json", str(tmp_path / "none.json"), "--out", str(out), "--plot", str(png),
+                       "--curves", str(tmp_path / "c.png")])
+    assert not png.exists() and not (tmp_path / "c.png").exists() and "p.png" not in out.read_text()
+    assert "no cell yet: no plot written" in capsys.readouterr().out and "0 of " in out.read_text()
+
+
 def test_study_report_names_a_restarted_seeds_retired_cells(tmp_path):
     from studies import report
 
