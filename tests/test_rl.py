@@ -317,6 +317,22 @@ def train_grpo(recipe):
     return train(recipe, progress=False)
 
 
+def test_a_groups_reward_model_scores_do_not_depend_on_the_other_groups(starts):
+    """batch_size = G (what GRPO passes): a prompt's completions are one batch of their own, so their scores are the
+    same bits whichever prompts share the update; a group of near-tied rewards would otherwise see float noise."""
+    from dlm.config import RewardTerm
+    from dlm.evaluation.rewards import Rewards
+
+    long = "A farmer has 120 sheep, sells 45, buys 30 more and then gives 12 away. How many are left? " * 3
+    records = [{"prompt": "Tom has 7 pens and buys 5 more. How many pens does he have?"}] * 2 + [{"prompt": long}] * 2
+    texts = ["def solution():\n    return 7 + 5", "def solution():\n    return 7 - 5",
+             "def solution():\n    total = 120 - 45 + 30 - 12\n    return total" * 2, "x = 1"]
+    rewards = Rewards([RewardTerm(name="reward_model", path=str(starts[1]))], batch_size=2)
+    together, alone = rewards(records, texts), rewards(records[:2], texts[:2])
+    assert together.failures["reward_model"] == 0 and together.total[:2] == alone.total  # bit for bit
+    assert together.total[0] != together.total[1]  # the scores are real, not a constant
+
+
 def test_answer_reward_reads_the_final_answer_without_running_anything():
     records = [{"prompt": "p", "answer": 1234}, {"prompt": "p", "answer": 42}, {"prompt": "p", "answer": 7.5},
                {"prompt": "p", "answer": 8}, {"prompt": "p", "answer": 3}]
