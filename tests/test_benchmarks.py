@@ -95,6 +95,26 @@ def test_serve_load_counts_every_request_per_mode_load_and_repeat(saved, tmp_pat
     assert (tmp_path / "serving.md").read_text().count("\n| ") == 1 + 2 * 2 * 3  # header + one row per setting
 
 
+@pytest.mark.parametrize("name", ["block_carry", "masked", "ar"])
+def test_serve_passes_counts_every_forward_of_both_schedulers(saved, tmp_path, name):  # noqa: F811
+    import serve_passes
+
+    out = tmp_path / "passes.json"
+    serve_passes.main(["--model", str(saved[name][1]), "--data", str(_data(tmp_path, n=5)), "--n", "5",
+                       "--clients", "1,3", "--repeats", "2", "--out", str(out)])
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert len(rows) == 2 * 2 * 2 and all(r["same"] for r in rows)  # greedy: both schedulers, the same tokens
+    assert result["fit"]["forwards"] == sum(r["forwards"] for r in rows)
+    for r in rows:
+        twin = next(o for o in rows if (o["repeat"], o["clients"]) == (r["repeat"], r["clients"]) and o is not r)
+        assert r["completion_tokens"] == twin["completion_tokens"] > 0
+        assert r["forwards"] >= 1 and r["mean_rows"] <= r["clients"]
+        if r["mode"] == "continuous" and r["clients"] == 1:  # one row at a time: one row per forward
+            assert r["mean_rows"] == 1
+    assert out.with_suffix(".md").read_text().count("\n| ") == 1 + 2 * 2  # header + one row per (clients, mode)
+
+
 def test_before_after_pairs_rounds_and_refuses_a_wrong_flag_before_running(monkeypatch, tmp_path):
     """benchmarks/before_after.py: per setting, the median tokens/s of each tree, each round's after/before ratio and
     whether both decoded the same; sampling_speed's flags are checked before any round runs."""
