@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import platform
+import shlex
 import statistics
 import sys
 import time
@@ -34,10 +36,10 @@ def _prompts(engine, data: str, n: int) -> list[list[int]]:
     records = [json.loads(line) for line in Path(data).read_text().splitlines() if line.strip()][:n]
     if not records:
         raise SystemExit(f"{data}: no records")
+    from dlm.data.tokenizer import render_prompt
+
     tok = engine.tok
-    return [tok(tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], tokenize=False,
-                                        add_generation_prompt=True), add_special_tokens=False)["input_ids"]
-            for r in records]
+    return [tok(render_prompt(tok, r["prompt"]), add_special_tokens=False)["input_ids"] for r in records]
 
 
 class Passes:
@@ -170,10 +172,8 @@ def main(argv=None) -> None:
                       f"{r['mean_rows']} rows x {r['mean_width']} wide, {r['mean_ms']} ms each", flush=True)
     for r in rows:
         r.pop("tokens")
-    import platform
-
-    result = {"command": "python " + " ".join([sys.argv[0].split("/")[-1] if not argv else "serve_passes.py",
-                                                *(argv if argv is not None else sys.argv[1:])]),
+    given = sys.argv[1:] if argv is None else argv
+    result = {"command": shlex.join(["python", "benchmarks/serve_passes.py", *given]),
               "machine": f"{platform.machine()}, torch {torch.__version__}, 1 thread, {time.strftime('%Y-%m-%d')}",
               "fit": fit(passes), "rows": rows}
     result["summary"] = summarise(rows)
